@@ -1,0 +1,48 @@
+# rlinfer: two commands do everything on a fresh machine.
+#   make demo   - build the vLLM environment if missing, run the RL demo on the embedded tiny model
+#   make test   - ruff, mypy, core unit tests, and every backend's conformance run in its own env
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+PYTHON ?= python3.11
+VENVS := .venvs
+DEMO_BACKEND ?= vllm
+DEMO_OUT ?= out/demo
+
+.PHONY: env-core env-vllm env-sglang envs demo test lint typecheck test-core test-vllm test-sglang clean-envs
+
+env-core: $(VENVS)/core/.built
+env-vllm: $(VENVS)/vllm/.built
+env-sglang: $(VENVS)/sglang/.built
+envs: env-core env-vllm env-sglang
+
+# Each stamp depends on its recipe and pins, so editing them rebuilds; otherwise this is instant.
+$(VENVS)/core/.built: envs/build_env.sh envs/core.txt envs/constraints-cpu.txt
+	PYTHON=$(PYTHON) bash envs/build_env.sh core
+$(VENVS)/vllm/.built: envs/build_env.sh envs/vllm-cpu.txt envs/constraints-cpu.txt
+	PYTHON=$(PYTHON) bash envs/build_env.sh vllm
+$(VENVS)/sglang/.built: envs/build_env.sh envs/sglang-cpu.txt envs/constraints-cpu.txt $(wildcard envs/cpu_support/**/*)
+	PYTHON=$(PYTHON) bash envs/build_env.sh sglang
+
+demo: env-$(DEMO_BACKEND)
+	$(VENVS)/$(DEMO_BACKEND)/bin/rlinfer demo --backend $(DEMO_BACKEND) --out $(DEMO_OUT)
+
+lint: env-core
+	$(VENVS)/core/bin/ruff check .
+	$(VENVS)/core/bin/ruff format --check .
+
+typecheck: env-core
+	$(VENVS)/core/bin/mypy
+
+test-core: env-core
+	$(VENVS)/core/bin/python -m pytest tests/core -q
+
+test-vllm: env-vllm
+	$(VENVS)/vllm/bin/python -m pytest tests/backends/test_vllm_conformance.py tests/backends/vllm -q -p rlinfer_conformance --rlinfer-backend vllm --rlinfer-report out/conformance-vllm.json
+
+test-sglang: env-sglang
+	$(VENVS)/sglang/bin/python -m pytest tests/backends/test_sglang_conformance.py tests/backends/sglang -q -p rlinfer_conformance --rlinfer-backend sglang --rlinfer-report out/conformance-sglang.json
+
+test: lint typecheck test-core test-vllm test-sglang
+
+clean-envs:
+	rm -rf $(VENVS)

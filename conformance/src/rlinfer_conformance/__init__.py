@@ -1,0 +1,1 @@
+"""rlinfer conformance kit: the contract as a pytest plugin."""

@@ -1,0 +1,86 @@
+"""rlinfer core: one contract for RL rollout engines (generate, weight sync, memory control).
+
+Importing this package imports neither torch nor any engine.
+"""
+
+from rlinfer_core.discovery import BackendInfo, discover, get_backend
+from rlinfer_core.engine import AsyncEngine, Engine, open_engine
+from rlinfer_core.errors import (
+    BackendLoadError,
+    BackendNotFound,
+    EngineDead,
+    EngineTimeout,
+    InvalidRequest,
+    RLInferError,
+    UnsupportedCapability,
+    WeightUpdateError,
+)
+from rlinfer_core.hookspecs import hookimpl
+from rlinfer_core.model_info import ModelInfo
+from rlinfer_core.types import (
+    Capabilities,
+    Capability,
+    ChatMessage,
+    Completion,
+    CompletionDelta,
+    EngineConfig,
+    FinishReason,
+    GenerateRequest,
+    MemoryTag,
+    PauseMode,
+    SamplingParams,
+)
+from rlinfer_core.weights import (
+    BroadcastGroup,
+    BroadcastSource,
+    Bucket,
+    BucketManifest,
+    Buckets,
+    CheckpointDir,
+    ManifestEntry,
+    NamedTensors,
+    TensorSpec,
+    WeightUpdate,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncEngine",
+    "BackendInfo",
+    "BackendLoadError",
+    "BackendNotFound",
+    "BroadcastGroup",
+    "BroadcastSource",
+    "Bucket",
+    "BucketManifest",
+    "Buckets",
+    "Capabilities",
+    "Capability",
+    "ChatMessage",
+    "CheckpointDir",
+    "Completion",
+    "CompletionDelta",
+    "Engine",
+    "EngineConfig",
+    "EngineDead",
+    "EngineTimeout",
+    "FinishReason",
+    "GenerateRequest",
+    "InvalidRequest",
+    "ManifestEntry",
+    "MemoryTag",
+    "ModelInfo",
+    "NamedTensors",
+    "PauseMode",
+    "RLInferError",
+    "SamplingParams",
+    "TensorSpec",
+    "UnsupportedCapability",
+    "WeightUpdate",
+    "WeightUpdateError",
+    "discover",
+    "get_backend",
+    "hookimpl",
+    "open_engine",
+]

@@ -1,0 +1,64 @@
+"""Typed errors: one base class, one subclass per thing a caller can act on.
+
+Every message says what was wrong and what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class RLInferError(Exception):
+    """Base class of every error rlinfer raises on purpose."""
+
+
+class BackendNotFound(RLInferError, LookupError):
+    """No installed backend has the requested name (the message lists those that are)."""
+
+
+class BackendLoadError(RLInferError):
+    """A backend was found but cannot be used: import failure, missing or unsupported engine."""
+
+
+class UnsupportedCapability(RLInferError, NotImplementedError):
+    """The backend, on this platform, does not support the requested operation.
+
+    Raised instead of a silent no-op; ``capability`` names what was asked for.
+    """
+
+    def __init__(self, capability: str, backend: str, reason: str = "") -> None:
+        self.capability = capability
+        self.backend = backend
+        self.reason = reason
+        detail = f": {reason}" if reason else ""
+        super().__init__(
+            f"backend {backend!r} does not support {capability!r} on this platform{detail}. "
+            f"Check Engine.capabilities before calling."
+        )
+
+
+class InvalidRequest(RLInferError, ValueError):
+    """A value given by the caller is out of its allowed range; ``field`` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        super().__init__(f"invalid {field}: {message}")
+
+
+class WeightUpdateError(RLInferError):
+    """A weight update was rejected or failed; the engine still serves the previous weights.
+
+    ``problems`` lists every problem found (validation reports all of them, not just the first).
+    """
+
+    def __init__(self, message: str, problems: tuple[str, ...] = ()) -> None:
+        self.problems = problems
+        listed = "".join(f"\n  - {p}" for p in problems[:20])
+        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+        super().__init__(f"{message}{listed}{more}\nThe engine still serves the previous weights and version.")
+
+
+class EngineDead(RLInferError):
+    """The engine process died or was shut down; open a new engine."""
+
+
+class EngineTimeout(RLInferError, TimeoutError):
+    """An operation did not finish within its timeout (``EngineConfig.request_timeout_s``)."""

@@ -1,0 +1,113 @@
+"""A tiny Llama-architecture causal LM, made on the fly (no hub access needed).
+
+``make_tiny_model(dir, seed=0)`` writes a complete Hugging Face model directory: config,
+safetensors weights (random, deterministic from ``seed``), a byte-level BPE tokenizer trained
+offline on the small corpus below, and a chat template. head_dim is 64 (CPU attention kernels
+reject smaller). Used by the tests, the conformance kit and the demo.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import attrs
+
+CORPUS = """\
+The quick brown fox jumps over the lazy dog. A rollout engine generates tokens; a trainer
+scores them, takes a gradient step, and pushes the new weights back into the engine.
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30.
+Question: what is 2 + 3? Answer: 5. Question: what is 7 + 8? Answer: 15.
+user: hello there. assistant: hello! how can I help you today?
+Reinforcement learning from verifiable rewards: the reward is 1 when the answer is right.
+abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ .,;:!?'"()[]{}<>+-*/=_#@%&
+"""
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>{{ message['content'] }}<|end|>"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|end|>"]
+
+
+@attrs.frozen
+class TinyModelSpec:
+    """Shape of the tiny model. Defaults: ~0.2M parameters, float32."""
+
+    vocab_size: int = 384
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 2
+    num_key_value_heads: int = 1
+    max_position_embeddings: int = 1024
+    init_std: float = 0.02
+    dtype: str = "float32"
+
+
+def _train_tokenizer(vocab_size: int) -> object:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token=None))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(CORPUS.splitlines(), trainer=trainer)
+    return tokenizer
+
+
+def make_tiny_model(path: str | Path, seed: int = 0, spec: TinyModelSpec | None = None) -> Path:
+    """Write a tiny random Llama model directory at ``path`` and return it.
+
+    The same ``seed`` and ``spec`` always give the same weights and tokenizer; a different seed
+    gives different weights with the same tokenizer and shapes (a "second model" for weight
+    updates).
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    spec = spec or TinyModelSpec()
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=_train_tokenizer(spec.vocab_size),
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        additional_special_tokens=SPECIAL_TOKENS[3:],
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(out)
+    config = LlamaConfig(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.hidden_size // spec.num_attention_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        initializer_range=spec.init_std,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype=spec.dtype,
+    )
+    generator_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).to(getattr(torch, spec.dtype))
+    finally:
+        torch.random.set_rng_state(generator_state)
+    model.save_pretrained(out, safe_serialization=True)
+    (out / "rlinfer_tiny_model.json").write_text(json.dumps({"seed": seed, **attrs.asdict(spec)}, indent=1))
+    return out

@@ -1,0 +1,98 @@
+"""Check a weight update against the engine's parameters before anything is loaded.
+
+Every problem is collected (not just the first) and reported in one WeightUpdateError, so a
+trainer sees all bad names/shapes/dtypes at once. Nothing here touches the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
+
+from rlinfer_core.errors import WeightUpdateError
+from rlinfer_core.weights import (
+    BroadcastSource,
+    Buckets,
+    CheckpointDir,
+    NamedTensors,
+    TensorSpec,
+    WeightSource,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+
+def spec_problems(incoming: Iterable[TensorSpec], expected: Mapping[str, TensorSpec]) -> list[str]:
+    """Problems with names, shapes and dtypes (duplicates, unknown names, mismatches)."""
+    problems = []
+    seen: set[str] = set()
+    for spec in incoming:
+        if spec.name in seen:
+            problems.append(f"{spec.name}: duplicate name in one update")
+            continue
+        seen.add(spec.name)
+        want = expected.get(spec.name)
+        if want is None:
+            close = [n for n in expected if n.rsplit(".", 1)[-1] == spec.name.rsplit(".", 1)[-1]][:3]
+            hint = f" (similar: {', '.join(close)})" if close else ""
+            problems.append(f"{spec.name}: unknown parameter name{hint}")
+            continue
+        if tuple(spec.shape) != tuple(want.shape):
+            problems.append(f"{spec.name}: shape {tuple(spec.shape)} != expected {tuple(want.shape)}")
+        if spec.dtype != want.dtype:
+            problems.append(f"{spec.name}: dtype {spec.dtype} != expected {want.dtype}")
+    if not seen:
+        problems.append("the update holds no tensors")
+    return problems
+
+
+def nonfinite_problems(tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """Names of floating-point tensors holding NaN or inf."""
+    import torch
+
+    problems = []
+    for name, tensor in tensors:
+        if tensor.is_floating_point() and tensor.numel() and not bool(torch.isfinite(tensor).all()):
+            problems.append(f"{name}: holds NaN or inf values")
+    return problems
+
+
+def _named_specs(tensors: Iterable[tuple[str, torch.Tensor]]) -> list[TensorSpec]:
+    return [TensorSpec(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in tensors]
+
+
+def check_tensors(tensors: list[tuple[str, torch.Tensor]], expected: Mapping[str, TensorSpec]) -> int:
+    """Validate named tensors; return their total size in bytes."""
+    problems = spec_problems(_named_specs(tensors), expected)
+    if not problems:
+        problems = nonfinite_problems(tensors)
+    if problems:
+        raise WeightUpdateError("weight update rejected", tuple(problems))
+    return sum(t.numel() * t.element_size() for _, t in tensors)
+
+
+def validate_source(source: WeightSource, expected: Mapping[str, TensorSpec]) -> int:
+    """Validate any weight source against ``expected``; return the bytes it carries.
+
+    Broadcast sources are checked by spec only here; the receiving backend checks finiteness
+    of what arrives before loading any of it.
+    """
+    if isinstance(source, NamedTensors):
+        return check_tensors(list(source.tensors), expected)
+    if isinstance(source, Buckets):
+        from rlinfer_core.transfer.buckets import unpack_all
+
+        return check_tensors(unpack_all(source.buckets, check=True), expected)
+    if isinstance(source, CheckpointDir):
+        from rlinfer_core.transfer.disk import read_tensors
+
+        return check_tensors(read_tensors(source.path), expected)
+    if isinstance(source, BroadcastSource):
+        problems = spec_problems(source.specs, expected)
+        if problems:
+            raise WeightUpdateError("weight update rejected", tuple(problems))
+        from rlinfer_core.transfer.buckets import to_dtype
+
+        return sum(s.numel * to_dtype(s.dtype).itemsize for s in source.specs)
+    raise WeightUpdateError(f"unknown weight source {type(source).__name__}")

@@ -1,0 +1,287 @@
+"""The contract's data types: frozen attrs classes, validated where they are built.
+
+Invalid values raise :class:`~rlinfer_core.errors.InvalidRequest` naming the field and its
+allowed range, so a bad request never reaches an engine.
+"""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import attrs
+
+from rlinfer_core import _validate as v
+from rlinfer_core.errors import InvalidRequest, UnsupportedCapability
+
+MAX_TOP_LOGPROBS = 20
+MAX_N = 256
+
+
+class FinishReason(enum.StrEnum):
+    """Why a completion ended."""
+
+    STOP = "stop"  #: EOS, a stop token id or a stop string
+    LENGTH = "length"  #: max_tokens or the model's context length
+    ABORT = "abort"  #: aborted by the caller (abort or pause(mode=ABORT))
+
+
+class MemoryTag(enum.StrEnum):
+    """What ``release_memory``/``resume_memory`` act on."""
+
+    WEIGHTS = "weights"
+    KV_CACHE = "kv_cache"
+
+
+ALL_MEMORY_TAGS: frozenset[MemoryTag] = frozenset(MemoryTag)
+
+
+class PauseMode(enum.StrEnum):
+    """What happens to in-flight requests when generation is paused.
+
+    ABORT: they end now with finish_reason "abort" and their partial tokens.
+    WAIT: pause returns once they have all finished; new requests queue until resume.
+    KEEP: they are frozen with their KV cache and continue after resume (with whatever weights
+    are loaded by then).
+    """
+
+    ABORT = "abort"
+    WAIT = "wait"
+    KEEP = "keep"
+
+
+class Capability(enum.StrEnum):
+    """One thing a backend may or may not truly support on the current platform."""
+
+    STREAM = "generate.stream"
+    CHAT = "generate.chat"
+    PROMPT_LOGPROBS = "generate.prompt_logprobs"
+    TOP_LOGPROBS = "generate.top_logprobs"
+    MULTI_SAMPLE = "generate.n"
+    SEEDED_SAMPLING = "generate.seed"  #: per-request seeds reproduce sampled outputs
+    STOP_STRINGS = "generate.stop_strings"
+    ABORT = "abort"
+    PAUSE_ABORT = "pause.abort"
+    PAUSE_WAIT = "pause.wait"
+    PAUSE_KEEP = "pause.keep"
+    WEIGHTS_TENSORS = "weights.tensors"  #: in-process named tensors (shm / CUDA IPC under)
+    WEIGHTS_BUCKETS = "weights.buckets"  #: the core's flattened per-dtype buckets
+    WEIGHTS_DISK = "weights.disk"  #: a safetensors checkpoint directory
+    WEIGHTS_BROADCAST = "weights.broadcast"  #: torch.distributed broadcast group
+    MEMORY_RELEASE = "memory.release"  #: release_memory really frees accelerator memory
+    PREFIX_CACHE_RESET = "prefix_cache.reset"
+
+
+PAUSE_CAPABILITY: Mapping[PauseMode, Capability] = {
+    PauseMode.ABORT: Capability.PAUSE_ABORT,
+    PauseMode.WAIT: Capability.PAUSE_WAIT,
+    PauseMode.KEEP: Capability.PAUSE_KEEP,
+}
+
+
+@attrs.frozen
+class SamplingParams:
+    """How to sample. ``temperature == 0`` is greedy.
+
+    ``logprobs`` is the number of top alternatives to return per generated token; the sampled
+    token's own logprob is always returned, under the sampling distribution (temperature-scaled),
+    which is what an RL loss needs.
+    """
+
+    temperature: float = attrs.field(default=1.0, validator=v.in_range(0.0, 100.0))
+    top_p: float = attrs.field(default=1.0, validator=v.in_range(0.0, 1.0, low_open=True))
+    top_k: int = attrs.field(default=-1, validator=v.in_range(-1, 1_000_000, integer=True))
+    max_tokens: int = attrs.field(default=16, validator=v.in_range(1, 1_000_000, integer=True))
+    min_tokens: int = attrs.field(default=0, validator=v.in_range(0, 1_000_000, integer=True))
+    n: int = attrs.field(default=1, validator=v.in_range(1, MAX_N, integer=True))
+    seed: int | None = attrs.field(default=None, validator=v.in_range(0, 2**31 - 1, integer=True, allow_none=True))
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=v.to_tuple, validator=v.int_items())
+    stop: tuple[str, ...] = attrs.field(default=(), converter=v.to_tuple, validator=v.non_empty_strings)
+    ignore_eos: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    logprobs: int = attrs.field(default=0, validator=v.in_range(0, MAX_TOP_LOGPROBS, integer=True))
+    prompt_logprobs: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+
+    def __attrs_post_init__(self) -> None:
+        if self.top_k == 0:
+            raise InvalidRequest("top_k", "must be -1 (disabled) or >= 1, got 0")
+        if self.min_tokens > self.max_tokens:
+            raise InvalidRequest("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling is argmax."""
+        return self.temperature == 0.0
+
+
+@attrs.frozen
+class ChatMessage:
+    """One chat turn; the engine applies the model's chat template."""
+
+    role: str = attrs.field(validator=v.one_of("system", "user", "assistant", "tool"))
+    content: str = attrs.field(validator=attrs.validators.instance_of(str))
+
+
+def _new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def _to_messages(value: Any) -> tuple[ChatMessage, ...] | None:
+    if value is None:
+        return None
+    out = []
+    for i, m in enumerate(value):
+        if isinstance(m, ChatMessage):
+            out.append(m)
+        elif isinstance(m, Mapping) and set(m) == {"role", "content"}:
+            out.append(ChatMessage(role=m["role"], content=m["content"]))
+        else:
+            raise InvalidRequest("messages", f"item {i} must be {{'role','content'}}, got {m!r}")
+    return tuple(out)
+
+
+def _to_token_ids(value: Any) -> tuple[int, ...] | None:
+    return None if value is None else v.to_tuple(value)
+
+
+@attrs.frozen
+class GenerateRequest:
+    """One prompt to complete: token ids, or chat messages (exactly one of the two)."""
+
+    prompt_token_ids: tuple[int, ...] | None = attrs.field(
+        default=None,
+        converter=_to_token_ids,
+        validator=attrs.validators.optional(v.int_items()),
+    )
+    messages: tuple[ChatMessage, ...] | None = attrs.field(default=None, converter=_to_messages)
+    sampling: SamplingParams = attrs.field(
+        factory=SamplingParams, validator=attrs.validators.instance_of(SamplingParams)
+    )
+    request_id: str = attrs.field(factory=_new_request_id)
+
+    def __attrs_post_init__(self) -> None:
+        if (self.prompt_token_ids is None) == (self.messages is None):
+            raise InvalidRequest("prompt_token_ids", "give exactly one of prompt_token_ids or messages")
+        if self.prompt_token_ids is not None and not self.prompt_token_ids:
+            raise InvalidRequest("prompt_token_ids", "must hold at least one token id")
+        if self.messages is not None and not self.messages:
+            raise InvalidRequest("messages", "must hold at least one message")
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise InvalidRequest("request_id", f"must be a non-empty string, got {self.request_id!r}")
+
+
+@attrs.frozen
+class Completion:
+    """One finished sample. ``logprobs[i]`` is the logprob of ``token_ids[i]`` under the
+    sampling distribution; ``weight_version`` is the version of the weights that produced it."""
+
+    request_id: str
+    index: int  #: sample index in [0, n)
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: FinishReason
+    stop_reason: int | str | None = None  #: the stop token id or stop string that matched
+    top_logprobs: tuple[Mapping[int, float], ...] | None = None
+    #: logprob of each prompt token given the ones before it; the first is None
+    prompt_logprobs: tuple[float | None, ...] | None = None
+    weight_version: int = 0
+    text: str | None = None  #: detokenized output when the engine has a tokenizer
+    latency_s: float | None = None
+
+
+@attrs.frozen
+class CompletionDelta:
+    """A streaming increment of one sample; concatenating all deltas gives the Completion."""
+
+    request_id: str
+    index: int
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: FinishReason | None = None  #: set on the last delta only
+    stop_reason: int | str | None = None
+    weight_version: int = 0
+
+
+def _capability_set(value: Any) -> frozenset[Capability]:
+    return frozenset(Capability(c) for c in value)
+
+
+@attrs.frozen
+class Capabilities:
+    """What a backend truly supports on the platform it runs on.
+
+    ``notes`` explains, per capability, why it is missing or how it behaves (shown by
+    ``rlinfer backends``). Built once per backend+platform.
+    """
+
+    backend: str
+    engine_version: str
+    platform: str  #: "cpu" or "cuda"
+    supported: frozenset[Capability] = attrs.field(converter=_capability_set)
+    notes: Mapping[str, str] = attrs.field(factory=dict)
+
+    def supports(self, capability: Capability) -> bool:
+        """True when ``capability`` is supported."""
+        return capability in self.supported
+
+    def require(self, capability: Capability) -> None:
+        """Raise UnsupportedCapability unless ``capability`` is supported."""
+        if capability not in self.supported:
+            raise UnsupportedCapability(capability.value, self.backend, self.notes.get(capability.value, ""))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {
+            "backend": self.backend,
+            "engine_version": self.engine_version,
+            "platform": self.platform,
+            "supported": sorted(c.value for c in self.supported),
+            "unsupported": sorted(c.value for c in Capability if c not in self.supported),
+            "notes": dict(self.notes),
+        }
+
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+@attrs.frozen
+class EngineConfig:
+    """One schema for every engine; each backend maps it onto its engine's own arguments.
+
+    ``engine_kwargs`` passes engine-specific arguments through unchanged (they win).
+    """
+
+    model: str = attrs.field(validator=attrs.validators.instance_of(str))
+    tokenizer: str | None = None
+    dtype: Dtype = attrs.field(default="auto", validator=v.one_of("auto", "float32", "bfloat16", "float16"))
+    seed: int = attrs.field(default=0, validator=v.in_range(0, 2**31 - 1, integer=True))
+    device: Literal["auto", "cpu", "cuda"] = attrs.field(default="auto", validator=v.one_of("auto", "cpu", "cuda"))
+    tensor_parallel_size: int = attrs.field(default=1, validator=v.in_range(1, 1024, integer=True))
+    data_parallel_size: int = attrs.field(default=1, validator=v.in_range(1, 1024, integer=True))
+    max_model_len: int | None = attrs.field(
+        default=None, validator=v.in_range(16, 10_000_000, integer=True, allow_none=True)
+    )
+    max_num_seqs: int | None = attrs.field(
+        default=None, validator=v.in_range(1, 1_000_000, integer=True, allow_none=True)
+    )
+    #: KV-cache budget in bytes (the memory budget on CPU; on GPU prefer gpu_memory_utilization)
+    kv_cache_memory_bytes: int | None = attrs.field(
+        default=None, validator=v.in_range(1 << 20, 1 << 50, integer=True, allow_none=True)
+    )
+    gpu_memory_utilization: float | None = attrs.field(
+        default=None, validator=v.in_range(0.0, 1.0, low_open=True, allow_none=True)
+    )
+    enable_prefix_caching: bool = True
+    #: start the engine so that release_memory can really free memory (vLLM sleep mode,
+    #: SGLang memory saver); only honoured where Capability.MEMORY_RELEASE is supported
+    enable_memory_release: bool = False
+    enforce_eager: bool = False
+    request_timeout_s: float = attrs.field(default=300.0, validator=v.in_range(0.0, 86400.0, low_open=True))
+    startup_timeout_s: float = attrs.field(default=900.0, validator=v.in_range(0.0, 86400.0, low_open=True))
+    engine_kwargs: Mapping[str, Any] = attrs.field(factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.model:
+            raise InvalidRequest("model", "must be a model directory or name, got ''")

@@ -1,0 +1,1 @@
+"""rlinfer backend over the real vllm engine."""
