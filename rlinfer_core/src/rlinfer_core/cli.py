@@ -113,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--runs", type=int, default=5, help="timed runs per side (median reported)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="engine dtype")
     p.add_argument("--json-out", help="write the JSON result here")
     p.set_defaults(func=_cmd_bench)
 
