@@ -34,7 +34,7 @@ typecheck: env-core
 	$(VENVS)/core/bin/mypy
 
 test-core: env-core
-	$(VENVS)/core/bin/python -m pytest tests/core -q
+	$(VENVS)/core/bin/python -m pytest tests/core -q -p no:rlinfer
 
 test-vllm: env-vllm
 	$(VENVS)/vllm/bin/python -m pytest tests/backends/test_vllm_conformance.py tests/backends/vllm -q -p rlinfer_conformance --rlinfer-backend vllm --rlinfer-report out/conformance-vllm.json

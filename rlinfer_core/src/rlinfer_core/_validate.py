@@ -55,6 +55,16 @@ def one_of(*choices: Any) -> Validator:
     return check
 
 
+def instance_of(kind: type | tuple[type, ...], description: str) -> Validator:
+    """Check ``isinstance(value, kind)``; raise InvalidRequest (not TypeError) naming the field."""
+
+    def check(_inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if not isinstance(value, kind):
+            raise InvalidRequest(attribute.name, f"must be {description}, got {value!r}")
+
+    return check
+
+
 def int_items(low: int = 0, high: int = MAX_INT64) -> Validator:
     """Check every item of a sequence is an int in ``[low, high]``."""
 

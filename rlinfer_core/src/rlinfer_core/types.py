@@ -99,9 +99,9 @@ class SamplingParams:
     seed: int | None = attrs.field(default=None, validator=v.in_range(0, 2**31 - 1, integer=True, allow_none=True))
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=v.to_tuple, validator=v.int_items())
     stop: tuple[str, ...] = attrs.field(default=(), converter=v.to_tuple, validator=v.non_empty_strings)
-    ignore_eos: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    ignore_eos: bool = attrs.field(default=False, validator=v.instance_of(bool, "a bool (True or False)"))
     logprobs: int = attrs.field(default=0, validator=v.in_range(0, MAX_TOP_LOGPROBS, integer=True))
-    prompt_logprobs: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    prompt_logprobs: bool = attrs.field(default=False, validator=v.instance_of(bool, "a bool (True or False)"))
 
     def __attrs_post_init__(self) -> None:
         if self.top_k == 0:
@@ -120,7 +120,7 @@ class ChatMessage:
     """One chat turn; the engine applies the model's chat template."""
 
     role: str = attrs.field(validator=v.one_of("system", "user", "assistant", "tool"))
-    content: str = attrs.field(validator=attrs.validators.instance_of(str))
+    content: str = attrs.field(validator=v.instance_of(str, "a string"))
 
 
 def _new_request_id() -> str:
@@ -156,7 +156,7 @@ class GenerateRequest:
     )
     messages: tuple[ChatMessage, ...] | None = attrs.field(default=None, converter=_to_messages)
     sampling: SamplingParams = attrs.field(
-        factory=SamplingParams, validator=attrs.validators.instance_of(SamplingParams)
+        factory=SamplingParams, validator=v.instance_of(SamplingParams, "a SamplingParams")
     )
     request_id: str = attrs.field(factory=_new_request_id)
 
@@ -253,7 +253,7 @@ class EngineConfig:
     ``engine_kwargs`` passes engine-specific arguments through unchanged (they win).
     """
 
-    model: str = attrs.field(validator=attrs.validators.instance_of(str))
+    model: str = attrs.field(validator=v.instance_of(str, "a string"))
     tokenizer: str | None = None
     dtype: Dtype = attrs.field(default="auto", validator=v.one_of("auto", "float32", "bfloat16", "float16"))
     seed: int = attrs.field(default=0, validator=v.in_range(0, 2**31 - 1, integer=True))

@@ -15,6 +15,22 @@ if TYPE_CHECKING:
 
 DEFAULT_SHARD_BYTES = 2 << 30
 
+#: safetensors header dtype -> torch dtype name
+SAFETENSORS_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "BF16": "bfloat16",
+    "F16": "float16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+
 
 def save_dir(
     tensors: Iterable[tuple[str, torch.Tensor]], path: str | Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES
@@ -62,9 +78,7 @@ def read_specs(path: str | Path) -> dict[str, TensorSpec]:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
                     sl = f.get_slice(name)
-                    dtype = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}.get(
-                        sl.get_dtype(), sl.get_dtype().lower()
-                    )
+                    dtype = SAFETENSORS_DTYPES.get(sl.get_dtype(), sl.get_dtype().lower())
                     specs[name] = TensorSpec(name, dtype, tuple(sl.get_shape()))
         except Exception as exc:
             raise WeightUpdateError(f"unreadable safetensors file {file.name}: {exc}") from exc

@@ -64,9 +64,7 @@ def _named_specs(tensors: Iterable[tuple[str, torch.Tensor]]) -> list[TensorSpec
 
 def check_tensors(tensors: list[tuple[str, torch.Tensor]], expected: Mapping[str, TensorSpec]) -> int:
     """Validate named tensors; return their total size in bytes."""
-    problems = spec_problems(_named_specs(tensors), expected)
-    if not problems:
-        problems = nonfinite_problems(tensors)
+    problems = spec_problems(_named_specs(tensors), expected) + nonfinite_problems(tensors)
     if problems:
         raise WeightUpdateError("weight update rejected", tuple(problems))
     return sum(t.numel() * t.element_size() for _, t in tensors)
