@@ -7,7 +7,7 @@ emit them most of the time. The reward is checked by string inspection only (ver
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -30,12 +30,20 @@ def is_digit_text(text: str) -> bool:
     return bool(stripped) and stripped.isascii() and stripped.isdigit()
 
 
+def _prompt_tuples(prompts: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(int(t) for t in p) for p in prompts)
+
+
+def _id_set(ids: Iterable[int]) -> frozenset[int]:
+    return frozenset(int(i) for i in ids)
+
+
 @attrs.frozen
 class DigitTask:
     """Prompts (token ids) and the set of token ids that count as digits."""
 
-    prompts: tuple[tuple[int, ...], ...] = attrs.field(converter=lambda ps: tuple(tuple(p) for p in ps))
-    digit_token_ids: frozenset[int] = attrs.field(converter=frozenset)
+    prompts: tuple[tuple[int, ...], ...] = attrs.field(converter=_prompt_tuples)
+    digit_token_ids: frozenset[int] = attrs.field(converter=_id_set)
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any, num_prompts: int = len(PROMPT_TEXTS)) -> DigitTask:

@@ -124,7 +124,7 @@ class Policy:
         logprobs, mask = self.completion_logprobs(prompts, completions)
         loss = grpo_loss(logprobs, old_logprobs, advantages, mask)
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.optimizer.step()
         return float(loss.detach())

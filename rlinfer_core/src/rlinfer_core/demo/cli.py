@@ -1,0 +1,120 @@
+"""``rlinfer demo``: argument checks with clear errors, then the run and its report."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from rlinfer_core.discovery import get_backend
+from rlinfer_core.errors import BackendLoadError, BackendNotFound, InvalidRequest
+
+DEFAULT_STEPS = 30
+
+
+def repo_root() -> Path | None:
+    """The project checkout (holding ``envs/build_env.sh``) above the cwd or this package."""
+    for start in (Path.cwd(), Path(__file__).resolve()):
+        for candidate in (start, *start.parents):
+            if (candidate / "envs" / "build_env.sh").is_file():
+                return candidate
+    return None
+
+
+def env_hint(name: str) -> str:
+    """How to get a backend's environment, when the project has a recipe for it ('' if none)."""
+    root = repo_root()
+    if root is None:
+        return ""
+    envs = root / "envs"
+    if not ((envs / f"{name}-cpu.txt").is_file() or (envs / f"{name}.txt").is_file()):
+        return ""
+    venv = root / ".venvs" / name
+    if not (venv / "bin" / "python").exists():
+        state = "does not exist yet"
+    elif not (venv / ".built").exists():
+        state = "is incomplete"
+    else:
+        state = "exists but is not the interpreter running this command"
+    return (
+        f" The {name!r} backend lives in its own environment .venvs/{name}, which {state}: "
+        f"build it with `make env-{name}`, then run "
+        f"`.venvs/{name}/bin/rlinfer demo --backend {name}`."
+    )
+
+
+def check_backend(name: str) -> None:
+    """Fail fast, before torch is imported, if ``name`` cannot run in this interpreter."""
+    try:
+        get_backend(name).engine_version()
+    except BackendNotFound as exc:
+        hint = env_hint(name)
+        if hint:
+            raise BackendNotFound(f"backend {name!r} is not installed in this environment.{hint}") from exc
+        raise
+    except BackendLoadError as exc:
+        raise BackendLoadError(f"{exc}{env_hint(name)}") from exc
+
+
+def check_model(path: str) -> None:
+    """Raise InvalidRequest unless ``path`` is a local HF causal-LM directory."""
+    model = Path(path)
+    if not model.exists():
+        raise InvalidRequest("model", f"{path!r} does not exist; give a local Hugging Face model directory")
+    if not model.is_dir() or not (model / "config.json").is_file():
+        raise InvalidRequest("model", f"{path!r} is not a Hugging Face model directory (no config.json)")
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    try:
+        config = AutoConfig.from_pretrained(str(model))
+    except Exception as exc:
+        raise InvalidRequest("model", f"cannot read {path}/config.json: {exc}") from exc
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise InvalidRequest(
+            "model",
+            f"{path!r} is a {config.model_type!r} model, not a causal LM; the demo needs a decoder-only "
+            f"text model (e.g. llama, qwen2)",
+        )
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the demo from parsed ``rlinfer demo`` arguments; 0 when parity held at every step."""
+    from rlinfer_core.demo.loop import DemoConfig, run
+    from rlinfer_core.demo.report import Display, write_plots, write_report
+
+    steps = DEFAULT_STEPS if args.steps is None else args.steps
+    if steps < 1:
+        raise InvalidRequest("steps", f"must be >= 1, got {steps}")
+    check_backend(args.backend)
+    out = Path(args.out)
+    if args.model is None:
+        from rlinfer_core.tiny_model import make_tiny_model
+
+        model = str(make_tiny_model(out / "tiny_model", seed=0))
+    else:
+        check_model(args.model)
+        model = str(Path(args.model).resolve())
+    cfg = DemoConfig(backend=args.backend, model=model, out=str(out), steps=steps)
+
+    started = time.perf_counter()
+    with Display(cfg.steps, cfg.parity_tolerance) as display:
+        info, records = run(cfg, on_start=display.started, on_step=display.step)
+    total_s = time.perf_counter() - started
+    write_plots(out, info, records, cfg.parity_tolerance)
+    report = write_report(out, cfg, info, records, total_s)
+    s = report["summary"]
+    console = display.console
+    console.print(
+        f"reward {s['reward_first']:.3f} (first {s['window']} steps) -> {s['reward_last']:.3f} "
+        f"(last {s['window']}); max |dlogprob| {s['max_logprob_gap']:.2e} "
+        f"(tolerance {s['parity_tolerance']:g}); median sync {s['sync_s_median'] * 1e3:.1f} ms; "
+        f"{total_s:.0f} s in all"
+    )
+    console.print(f"wrote {out / 'report.json'} and {', '.join(report['plots'])}")
+    if not s["parity_ok_every_step"]:
+        console.print("[red]trainer/engine logprobs disagree beyond the tolerance[/red]")
+        return 1
+    if not s["reward_rose"]:
+        console.print("[yellow]the reward did not rise clearly; try more --steps[/yellow]")
+    return 0
