@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -30,6 +31,8 @@ def env_hint(name: str) -> str:
     if not ((envs / f"{name}-cpu.txt").is_file() or (envs / f"{name}.txt").is_file()):
         return ""
     venv = root / ".venvs" / name
+    if Path(sys.prefix).resolve() == venv.resolve():
+        return ""  # already in that environment: the error itself is what to fix
     if not (venv / "bin" / "python").exists():
         state = "does not exist yet"
     elif not (venv / ".built").exists():
