@@ -37,10 +37,10 @@ test-core: env-core
 	$(VENVS)/core/bin/python -m pytest tests/core -q -p no:rlinfer
 
 test-vllm: env-vllm
-	$(VENVS)/vllm/bin/python -m pytest tests/backends/test_vllm_conformance.py tests/backends/vllm -q -p rlinfer_conformance --rlinfer-backend vllm --rlinfer-report out/conformance-vllm.json
+	$(VENVS)/vllm/bin/python -m pytest tests/backends/test_vllm_conformance.py tests/backends/vllm -q --rlinfer-backend vllm --rlinfer-report out/conformance-vllm.json
 
 test-sglang: env-sglang
-	$(VENVS)/sglang/bin/python -m pytest tests/backends/test_sglang_conformance.py tests/backends/sglang -q -p rlinfer_conformance --rlinfer-backend sglang --rlinfer-report out/conformance-sglang.json
+	$(VENVS)/sglang/bin/python -m pytest tests/backends/test_sglang_conformance.py tests/backends/sglang -q --rlinfer-backend sglang --rlinfer-report out/conformance-sglang.json
 
 test: lint typecheck test-core test-vllm test-sglang
 

@@ -1,0 +1,152 @@
+"""The reference: a Hugging Face transformers forward pass on the same weights (float32).
+
+A completion is checked by teacher forcing: one forward pass over ``prompt + tokens`` gives,
+for every generated position, the logits the engine should have sampled from. Greedy tokens
+must be the argmax (up to exact ties), and each token's logprob must equal
+``log_softmax(logits / T)`` of that token (plain ``log_softmax`` when greedy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+if TYPE_CHECKING:
+    import torch
+    from rlinfer_core.types import Completion, GenerateRequest
+
+#: logits closer than this count as a tie for the argmax check
+TIE_TOLERANCE = 1e-4
+
+
+@attrs.frozen
+class Parity:
+    """Result of checking completions against the oracle."""
+
+    max_abs_logprob_delta: float  #: max |engine logprob - oracle logprob| over checked tokens
+    tokens_checked: int
+    argmax_mismatches: tuple[str, ...]  #: one line per greedy token that is not the argmax
+
+    def merge(self, other: Parity) -> Parity:
+        """Combine two results."""
+        return Parity(
+            max(self.max_abs_logprob_delta, other.max_abs_logprob_delta),
+            self.tokens_checked + other.tokens_checked,
+            self.argmax_mismatches + other.argmax_mismatches,
+        )
+
+
+EMPTY = Parity(0.0, 0, ())
+
+
+class Oracle:
+    """HF transformers models (float32, eval mode) keyed by name, e.g. "seed0", "seed1"."""
+
+    def __init__(self) -> None:
+        self._models: dict[str, Any] = {}
+        self._dirs: dict[str, Path] = {}
+        self._tokenizer: Any = None
+
+    def add(self, key: str, model_dir: str | Path) -> None:
+        """Load the model in ``model_dir`` under ``key``."""
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        model.eval()
+        self._models[key] = model
+        self._dirs[key] = Path(model_dir)
+        if self._tokenizer is None:
+            self._tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+
+    def model_dir(self, key: str) -> Path:
+        """Directory the model ``key`` was loaded from."""
+        return self._dirs[key]
+
+    @property
+    def tokenizer(self) -> Any:
+        """The HF tokenizer shared by every model."""
+        return self._tokenizer
+
+    def named_parameters(self, key: str) -> list[tuple[str, torch.Tensor]]:
+        """HF checkpoint names and detached tensors of model ``key``."""
+        return [(n, p.detach().clone()) for n, p in self._models[key].named_parameters()]
+
+    def logits(self, key: str, token_ids: Sequence[int]) -> torch.Tensor:
+        """Logits (float32, [len, vocab]) of model ``key`` over ``token_ids``."""
+        import torch
+
+        with torch.inference_mode():
+            out = self._models[key](torch.tensor([list(token_ids)], dtype=torch.long))
+        logits: torch.Tensor = out.logits[0].float()
+        return logits
+
+    def greedy(self, key: str, prompt: Sequence[int], max_tokens: int, eos: Sequence[int] = ()) -> list[int]:
+        """Greedy continuation of ``prompt`` (stops after an ``eos`` token)."""
+        ids = list(prompt)
+        out: list[int] = []
+        for _ in range(max_tokens):
+            token = int(self.logits(key, ids)[-1].argmax())
+            out.append(token)
+            ids.append(token)
+            if token in eos:
+                break
+        return out
+
+    def check(self, key: str, request: GenerateRequest, completion: Completion) -> Parity:
+        """Teacher-force ``completion`` through model ``key`` and compare tokens and logprobs.
+
+        Greedy tokens are checked against the argmax; logprobs against log_softmax(logits / T).
+        """
+        import torch
+
+        tokens = list(completion.token_ids)
+        if not tokens:
+            return EMPTY
+        prompt = list(completion.prompt_token_ids)
+        logits = self.logits(key, prompt + tokens)[len(prompt) - 1 : len(prompt) - 1 + len(tokens)]
+        s = request.sampling
+        scaled = logits if s.greedy else logits / s.temperature
+        logprobs = torch.log_softmax(scaled.double(), dim=-1)
+        picked = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)]
+        engine = torch.tensor(completion.logprobs, dtype=torch.float64)
+        delta = float((picked - engine).abs().max()) if len(engine) == len(tokens) else float("inf")
+        mismatches = []
+        if s.greedy:
+            for i, token in enumerate(tokens):
+                best = int(logits[i].argmax())
+                if best != token and float(logits[i][best] - logits[i][token]) > TIE_TOLERANCE:
+                    mismatches.append(
+                        f"{request.request_id}[{i}]: engine {token}, oracle argmax {best} "
+                        f"(logit gap {float(logits[i][best] - logits[i][token]):.3g})"
+                    )
+        return Parity(delta, len(tokens), tuple(mismatches))
+
+    def check_all(self, key: str, requests: Sequence[GenerateRequest], completions: Sequence[Completion]) -> Parity:
+        """:meth:`check` every completion against the request with its ``request_id``."""
+        by_id = {r.request_id: r for r in requests}
+        result = EMPTY
+        for completion in completions:
+            result = result.merge(self.check(key, by_id[completion.request_id], completion))
+        return result
+
+    def prompt_logprobs(self, key: str, prompt: Sequence[int]) -> list[float]:
+        """log p(prompt[i] | prompt[:i]) for i >= 1 (plain log_softmax)."""
+        import torch
+
+        logits = self.logits(key, prompt)
+        lp = torch.log_softmax(logits.double(), dim=-1)
+        return [float(lp[i - 1, prompt[i]]) for i in range(1, len(prompt))]
+
+    def top_logprobs(self, key: str, prompt: Sequence[int], tokens: Sequence[int], k: int) -> list[dict[int, float]]:
+        """The ``k`` most likely tokens and their logprobs at each generated position (greedy)."""
+        import torch
+
+        full = list(prompt) + list(tokens)
+        logits = self.logits(key, full)[len(prompt) - 1 : len(full) - 1]
+        lp = torch.log_softmax(logits.double(), dim=-1)
+        values, ids = lp.topk(k, dim=-1)
+        return [{int(i): float(v) for i, v in zip(ids[row], values[row], strict=True)} for row in range(len(tokens))]

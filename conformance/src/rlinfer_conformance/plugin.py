@@ -1,0 +1,203 @@
+"""The pytest11 plugin: options, markers, hypothesis profiles, the session engine, the report.
+
+Activated by ``--rlinfer-backend NAME``. Without it the kit's tests are skipped, so having the
+plugin installed never changes other test runs.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rlinfer_core.types import Capability
+
+from rlinfer_conformance.report import KitReport
+
+SUITE_PACKAGE = "rlinfer_conformance.suite"
+PROFILES = ("ci", "thorough")
+_REPORT = pytest.StashKey[KitReport]()
+
+MARKERS = (
+    "requires(*capabilities): the test needs these rlinfer Capability values; skipped (naming them) "
+    "when the backend does not claim them",
+    "unsupported(capability): negative contract test, run only when the backend does not claim it",
+    "hooks(*names): the rlinfer hooks this kit test exercises (checked by the meta-tests)",
+    "rlinfer_last: run after every other kit test (e.g. shutdown)",
+)
+
+
+def register_hypothesis_profiles() -> None:
+    """ "ci": few examples, derandomized, no deadline; "thorough": many, random."""
+    from hypothesis import HealthCheck, settings
+
+    quiet = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
+    settings.register_profile(
+        "ci", max_examples=8, derandomize=True, deadline=None, database=None, suppress_health_check=quiet
+    )
+    settings.register_profile("thorough", max_examples=60, deadline=None, suppress_health_check=quiet)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """Add the kit's command-line options."""
+    group = parser.getgroup("rlinfer", "rlinfer conformance kit")
+    group.addoption("--rlinfer-backend", default=None, help="run the rlinfer conformance kit against this backend")
+    group.addoption("--rlinfer-report", default=None, help="write the kit's JSON report to this file")
+    group.addoption(
+        "--rlinfer-profile",
+        default=os.environ.get("RLINFER_HYPOTHESIS_PROFILE", "ci"),
+        choices=PROFILES,
+        help="hypothesis profile for the kit (default: ci)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Register markers and hypothesis profiles; create the report when the kit is active."""
+    for line in MARKERS:
+        config.addinivalue_line("markers", line)
+    register_hypothesis_profiles()
+    backend = config.getoption("--rlinfer-backend")
+    if backend:
+        from hypothesis import settings
+
+        profile = config.getoption("--rlinfer-profile")
+        settings.load_profile(profile)
+        config.stash[_REPORT] = KitReport(backend=backend, profile=profile)
+
+
+def is_kit_item(item: pytest.Item) -> bool:
+    """True for tests defined in the packaged suite (wherever they were imported)."""
+    fn = getattr(item, "function", None)
+    return bool(fn is not None and getattr(fn, "__module__", "").startswith(SUITE_PACKAGE))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip the kit without a backend; run ``rlinfer_last`` tests at the very end."""
+    if not config.getoption("--rlinfer-backend"):
+        skip = pytest.mark.skip(reason="rlinfer conformance kit: pass --rlinfer-backend NAME to run it")
+        for item in items:
+            if is_kit_item(item):
+                item.add_marker(skip)
+        return
+    items.sort(key=lambda it: it.get_closest_marker("rlinfer_last") is not None)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """Feed each phase's outcome into the kit report."""
+    rep: Any = yield
+    kit = item.config.stash.get(_REPORT, None)
+    if kit is not None and (rep.when == "call" or rep.outcome != "passed"):
+        detail = None
+        if rep.skipped and isinstance(rep.longrepr, tuple):
+            detail = str(rep.longrepr[2])
+        elif rep.failed:
+            detail = str(rep.longrepr)
+        kit.record_test(item.nodeid, rep.outcome, rep.duration, detail)
+    return rep  # type: ignore[no-any-return]
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Write the kit report."""
+    kit = session.config.stash.get(_REPORT, None)
+    path = session.config.getoption("--rlinfer-report")
+    if kit is not None and path:
+        kit.write(path)
+
+
+# --- fixtures ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def rlinfer_backend(pytestconfig: pytest.Config) -> str:
+    """Name of the backend under test (``--rlinfer-backend``)."""
+    name = pytestconfig.getoption("--rlinfer-backend")
+    if not name:
+        pytest.skip("rlinfer conformance kit: pass --rlinfer-backend NAME to run it")
+    return str(name)
+
+
+@pytest.fixture(scope="session")
+def rlinfer_config_overrides() -> dict[str, Any]:
+    """Extra EngineConfig fields for the kit's engine; override this fixture in the test file."""
+    return {}
+
+
+@pytest.fixture(scope="session")
+def rlinfer_report(pytestconfig: pytest.Config, rlinfer_backend: str) -> KitReport:
+    """The kit report of this run."""
+    return pytestconfig.stash[_REPORT]
+
+
+@pytest.fixture(scope="session")
+def rlinfer_world(
+    rlinfer_backend: str,
+    rlinfer_config_overrides: dict[str, Any],
+    rlinfer_report: KitReport,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Any]:
+    """ONE engine for the whole session, on a tiny random model (seed 0), plus the HF oracle."""
+    from rlinfer_core.engine import open_engine
+    from rlinfer_core.tiny_model import make_tiny_model
+
+    from rlinfer_conformance.oracle import Oracle
+    from rlinfer_conformance.world import BASE, OTHER, EventRecorder, KitWorld, default_config
+
+    tmp = tmp_path_factory.mktemp("rlinfer-kit")
+    oracle = Oracle()
+    oracle.add(BASE, make_tiny_model(tmp / "model-seed0", seed=0))
+    oracle.add(OTHER, make_tiny_model(tmp / "model-seed1", seed=1))
+    events = EventRecorder()
+    config = default_config(oracle.model_dir(BASE), rlinfer_config_overrides)
+    started = time.perf_counter()
+    engine = open_engine(rlinfer_backend, config, plugins=[events])
+    rlinfer_report.timings["engine_start"] = time.perf_counter() - started
+    caps = engine.capabilities
+    rlinfer_report.capabilities = caps.to_dict()
+    rlinfer_report.engine_version = caps.engine_version
+    rlinfer_report.engine_platform = caps.platform
+    world = KitWorld(engine, oracle, rlinfer_report, events, Path(tmp))
+    try:
+        yield world
+    finally:
+        world.close()
+        engine.shutdown()
+
+
+@pytest.fixture
+def rlinfer_engine(rlinfer_world: Any) -> Any:
+    """The session's :class:`rlinfer_core.engine.Engine`."""
+    return rlinfer_world.engine
+
+
+@pytest.fixture(autouse=True)
+def _rlinfer_capability_gate(request: pytest.FixtureRequest) -> None:
+    """Skip ``requires`` tests whose capabilities are not claimed (and vice versa)."""
+    requires = [Capability(c) for m in request.node.iter_markers("requires") for c in m.args]
+    unsupported = [Capability(c) for m in request.node.iter_markers("unsupported") for c in m.args]
+    if not requires and not unsupported:
+        return
+    world = request.getfixturevalue("rlinfer_world")
+    caps = world.engine.capabilities
+    missing = [c for c in requires if not caps.supports(c)]
+    if missing:
+        world.report.record_skip(request.node.nodeid, [c.value for c in missing])
+        why = "; ".join(f"{c.value}: {caps.notes.get(c.value, 'not claimed')}" for c in missing)
+        pytest.skip(
+            f"backend {caps.backend!r} does not claim capability {', '.join(c.value for c in missing)} "
+            f"({why}); the negative contract test checks it raises UnsupportedCapability"
+        )
+    claimed = [c for c in unsupported if caps.supports(c)]
+    if claimed:
+        pytest.skip(f"backend {caps.backend!r} claims {', '.join(c.value for c in claimed)}; positive tests cover it")
+
+
+@pytest.fixture
+def rlinfer_base_weights(rlinfer_world: Any) -> Iterator[Any]:
+    """For tests that change weights: the base weights are served before and after the test."""
+    rlinfer_world.restore()
+    yield rlinfer_world
+    rlinfer_world.restore()

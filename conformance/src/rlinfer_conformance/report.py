@@ -1,0 +1,86 @@
+"""The JSON report of one kit run: backend, platform, outcomes, skips, parity numbers, timings."""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+
+@attrs.define
+class KitReport:
+    """Collects results while the kit runs; :meth:`write` dumps them as JSON."""
+
+    backend: str
+    profile: str
+    started_at: float = attrs.field(factory=time.time)
+    capabilities: dict[str, Any] | None = None
+    engine_version: str | None = None
+    engine_platform: str | None = None
+    tests: dict[str, dict[str, Any]] = attrs.field(factory=dict)
+    skipped_capabilities: dict[str, list[str]] = attrs.field(factory=dict)
+    parity: list[dict[str, Any]] = attrs.field(factory=list)
+    timings: dict[str, float] = attrs.field(factory=dict)
+    notes: list[str] = attrs.field(factory=list)
+
+    def record_parity(self, checkpoint: str, max_abs_logprob_delta: float, tokens: int, mismatches: int) -> None:
+        """Remember the parity measured at ``checkpoint`` (e.g. "start", "after_update_1")."""
+        self.parity.append(
+            {
+                "checkpoint": checkpoint,
+                "max_abs_logprob_delta": max_abs_logprob_delta,
+                "tokens_checked": tokens,
+                "argmax_mismatches": mismatches,
+            }
+        )
+
+    def record_skip(self, nodeid: str, capabilities: list[str]) -> None:
+        """Remember that ``nodeid`` was skipped because these capabilities are not claimed."""
+        self.skipped_capabilities[nodeid] = capabilities
+
+    def record_test(self, nodeid: str, outcome: str, duration: float, detail: str | None) -> None:
+        """Remember one test's outcome (the worst phase wins)."""
+        entry = self.tests.setdefault(nodeid, {"outcome": "passed", "duration_s": 0.0})
+        entry["duration_s"] = round(entry["duration_s"] + duration, 4)
+        if outcome != "passed" and entry["outcome"] == "passed":
+            entry["outcome"] = outcome
+            if detail:
+                entry["detail"] = detail[:2000]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        outcomes: dict[str, int] = {}
+        for entry in self.tests.values():
+            outcomes[entry["outcome"]] = outcomes.get(entry["outcome"], 0) + 1
+        deltas = [p["max_abs_logprob_delta"] for p in self.parity]
+        return {
+            "backend": self.backend,
+            "engine_version": self.engine_version,
+            "platform": {
+                "engine_platform": self.engine_platform,
+                "python": sys.version.split()[0],
+                "machine": platform.machine(),
+                "system": platform.platform(),
+            },
+            "hypothesis_profile": self.profile,
+            "capabilities": self.capabilities,
+            "summary": outcomes,
+            "max_abs_logprob_delta": max(deltas) if deltas else None,
+            "parity": self.parity,
+            "skipped_capabilities": self.skipped_capabilities,
+            "timings_s": {k: round(v, 4) for k, v in self.timings.items()},
+            "wall_s": round(time.time() - self.started_at, 2),
+            "tests": self.tests,
+            "notes": self.notes,
+        }
+
+    def write(self, path: str | Path) -> None:
+        """Write the report as JSON to ``path`` (parents created)."""
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(self.to_dict(), indent=1, default=str))

@@ -1,0 +1,14 @@
+"""The packaged conformance suite. A backend adopts it with one test file::
+
+from rlinfer_conformance.suite import *  # noqa: F403
+"""
+
+from rlinfer_conformance.suite.test_control import *  # noqa: F403
+from rlinfer_conformance.suite.test_generate import *  # noqa: F403
+from rlinfer_conformance.suite.test_invalid import *  # noqa: F403
+from rlinfer_conformance.suite.test_lifecycle import *  # noqa: F403
+from rlinfer_conformance.suite.test_memory import *  # noqa: F403
+from rlinfer_conformance.suite.test_meta import *  # noqa: F403
+from rlinfer_conformance.suite.test_negative import *  # noqa: F403
+from rlinfer_conformance.suite.test_stateful import *  # noqa: F403
+from rlinfer_conformance.suite.test_weights import *  # noqa: F403

@@ -1,0 +1,51 @@
+"""Meta-tests: the kit itself covers every hook and every capability (by its markers)."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+from collections.abc import Iterator
+from typing import Any
+
+from rlinfer_core.types import Capability
+
+from rlinfer_core import hookspecs
+
+__all__ = ["test_every_hook_is_exercised", "test_every_capability_has_positive_and_negative_tests"]
+
+
+def _suite_functions() -> Iterator[Any]:
+    import rlinfer_conformance.suite as suite
+
+    for info in pkgutil.iter_modules(suite.__path__):
+        module = importlib.import_module(f"{suite.__name__}.{info.name}")
+        for name, fn in inspect.getmembers(module, inspect.isfunction):
+            if name.startswith("test_") and fn.__module__ == module.__name__:
+                yield fn
+
+
+def _marks(fn: Any) -> Iterator[Any]:
+    for mark in getattr(fn, "pytestmark", []):
+        yield mark
+        if mark.name == "parametrize":
+            for value in mark.args[1]:
+                yield from getattr(value, "marks", ())
+
+
+def _marker_args(name: str) -> set[Any]:
+    return {arg for fn in _suite_functions() for m in _marks(fn) if m.name == name for arg in m.args}
+
+
+def test_every_hook_is_exercised() -> None:
+    hooks = {n for n, obj in vars(hookspecs).items() if n.startswith("rlinfer_") and inspect.isfunction(obj)}
+    covered = _marker_args("hooks")
+    assert hooks - covered == set(), f"hooks with no kit test: {sorted(hooks - covered)}"
+    assert covered - hooks == set(), f"kit tests name unknown hooks: {sorted(covered - hooks)}"
+
+
+def test_every_capability_has_positive_and_negative_tests() -> None:
+    positive = {Capability(c) for c in _marker_args("requires")}
+    negative = {Capability(c) for c in _marker_args("unsupported")}
+    assert set(Capability) - positive == set(), f"no positive test: {sorted(set(Capability) - positive)}"
+    assert set(Capability) - negative == set(), f"no negative test: {sorted(set(Capability) - negative)}"

@@ -1,0 +1,70 @@
+"""Negative contract: every capability a backend does not claim raises UnsupportedCapability."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from rlinfer_core.errors import UnsupportedCapability
+from rlinfer_core.types import (
+    Capability,
+    ChatMessage,
+    GenerateRequest,
+    MemoryTag,
+    PauseMode,
+    SamplingParams,
+)
+from rlinfer_core.weights import BroadcastGroup, BroadcastSource, specs_of
+
+from rlinfer_conformance.world import BASE, KitWorld
+
+__all__ = ["test_unsupported_capability_raises"]
+
+
+def _gen(**sampling: Any) -> Callable[[KitWorld], Any]:
+    return lambda w: w.engine.generate([GenerateRequest(prompt_token_ids=[1, 2], sampling=SamplingParams(**sampling))])
+
+
+def _stream(w: KitWorld) -> Any:
+    return list(w.engine.stream(GenerateRequest(prompt_token_ids=[1, 2])))
+
+
+def _broadcast(w: KitWorld) -> Any:
+    with pytest.raises(UnsupportedCapability):
+        w.engine.init_weight_broadcast(BroadcastGroup("127.0.0.1", 29999))
+    return w.engine.update_weights(BroadcastSource(specs_of(w.oracle.named_parameters(BASE))))
+
+
+PROBES: dict[Capability, Callable[[KitWorld], Any]] = {
+    Capability.STREAM: _stream,
+    Capability.CHAT: lambda w: w.engine.generate([GenerateRequest(messages=[ChatMessage("user", "hello")])]),
+    Capability.PROMPT_LOGPROBS: _gen(prompt_logprobs=True),
+    Capability.TOP_LOGPROBS: _gen(logprobs=2),
+    Capability.MULTI_SAMPLE: _gen(n=2),
+    Capability.SEEDED_SAMPLING: _gen(temperature=1.0, seed=3),
+    Capability.STOP_STRINGS: _gen(stop=("x",)),
+    Capability.ABORT: lambda w: w.engine.abort(["no-such-request"]),
+    Capability.PAUSE_ABORT: lambda w: w.engine.pause(PauseMode.ABORT),
+    Capability.PAUSE_WAIT: lambda w: w.engine.pause(PauseMode.WAIT),
+    Capability.PAUSE_KEEP: lambda w: w.engine.pause(PauseMode.KEEP),
+    Capability.WEIGHTS_TENSORS: lambda w: w.engine.update_weights(w.source(Capability.WEIGHTS_TENSORS, BASE)),
+    Capability.WEIGHTS_BUCKETS: lambda w: w.engine.update_weights(w.source(Capability.WEIGHTS_BUCKETS, BASE)),
+    Capability.WEIGHTS_DISK: lambda w: w.engine.update_weights(w.source(Capability.WEIGHTS_DISK, BASE)),
+    Capability.WEIGHTS_BROADCAST: _broadcast,
+    Capability.MEMORY_RELEASE: lambda w: w.engine.release_memory([MemoryTag.WEIGHTS, MemoryTag.KV_CACHE]),
+    Capability.PREFIX_CACHE_RESET: lambda w: w.engine.reset_prefix_cache(),
+}
+
+
+@pytest.mark.parametrize(
+    "capability", [pytest.param(c, marks=pytest.mark.unsupported(c), id=c.value) for c in Capability]
+)
+def test_unsupported_capability_raises(rlinfer_world: KitWorld, capability: Capability) -> None:
+    version = rlinfer_world.engine.weight_version
+    with pytest.raises(UnsupportedCapability) as info:
+        PROBES[capability](rlinfer_world)
+    assert info.value.capability == capability.value
+    assert info.value.backend == rlinfer_world.backend
+    assert rlinfer_world.engine.weight_version == version
+    rlinfer_world.generate_and_check(None, max_tokens=4)  # still serving, same weights

@@ -1,0 +1,284 @@
+"""The kit's session state: one engine, the oracle, the report, and which weights are served."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from rlinfer_core.hookspecs import hookimpl
+from rlinfer_core.types import Capability, Completion, EngineConfig, GenerateRequest, SamplingParams
+from rlinfer_core.weights import Buckets, CheckpointDir, NamedTensors, WeightSource
+
+from rlinfer_conformance.oracle import Oracle, Parity
+from rlinfer_conformance.report import KitReport
+
+if TYPE_CHECKING:
+    from rlinfer_core.engine import Engine
+
+T = TypeVar("T")
+
+#: the parity tolerance on per-token logprobs (float32 on CPU)
+LOGPROB_TOLERANCE = 1e-5
+#: every kit operation that runs in a helper thread is bounded by this
+OP_TIMEOUT_S = 120.0
+#: small buckets so that a tiny model still spans several of them
+SMALL_BUCKET_BYTES = 64 << 10
+
+BASE = "seed0"
+OTHER = "seed1"
+
+#: transports that a weight update can use without a broadcast group
+LOCAL_TRANSPORTS = (Capability.WEIGHTS_TENSORS, Capability.WEIGHTS_BUCKETS, Capability.WEIGHTS_DISK)
+
+
+class EventRecorder:
+    """Observer plugin registered in the kit's engine: records every ``rlinfer_on_...`` event."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict[str, Any]]] = []
+
+    def names(self) -> list[str]:
+        """Names of the events seen so far, in order."""
+        return [name for name, _ in self.events]
+
+    @hookimpl
+    def rlinfer_on_engine_started(self, backend: str, capabilities: Any, seconds: float) -> None:
+        """Record."""
+        self.events.append(("rlinfer_on_engine_started", {"backend": backend, "seconds": seconds}))
+
+    @hookimpl
+    def rlinfer_on_generate_done(self, backend: str, requests: Any, completions: Any, seconds: float) -> None:
+        """Record."""
+        self.events.append(("rlinfer_on_generate_done", {"n": len(completions)}))
+
+    @hookimpl
+    def rlinfer_on_weights_updated(
+        self, backend: str, version: int, transport: str, nbytes: int, seconds: float
+    ) -> None:
+        """Record."""
+        self.events.append(("rlinfer_on_weights_updated", {"version": version, "transport": transport}))
+
+    @hookimpl
+    def rlinfer_on_weight_update_failed(self, backend: str, transport: str, error: Exception) -> None:
+        """Record."""
+        self.events.append(("rlinfer_on_weight_update_failed", {"transport": transport, "error": type(error).__name__}))
+
+    @hookimpl
+    def rlinfer_on_memory_released(self, backend: str, tags: Any, seconds: float) -> None:
+        """Record."""
+        self.events.append(("rlinfer_on_memory_released", {"tags": sorted(tags)}))
+
+    @hookimpl
+    def rlinfer_on_memory_resumed(self, backend: str, tags: Any, seconds: float) -> None:
+        """Record."""
+        self.events.append(("rlinfer_on_memory_resumed", {"tags": sorted(tags)}))
+
+    @hookimpl
+    def rlinfer_on_engine_shutdown(self, backend: str) -> None:
+        """Record."""
+        self.events.append(("rlinfer_on_engine_shutdown", {}))
+
+
+def default_config(model_dir: Path, overrides: Mapping[str, Any]) -> EngineConfig:
+    """The kit's engine: float32, short context, small KV cache, seed 0, bounded timeouts."""
+    fields: dict[str, Any] = {
+        "model": str(model_dir),
+        "dtype": "float32",
+        "max_model_len": 512,
+        "kv_cache_memory_bytes": 64 << 20,
+        "max_num_seqs": 16,
+        "seed": 0,
+        "request_timeout_s": OP_TIMEOUT_S,
+        "startup_timeout_s": 600.0,
+    }
+    fields.update(overrides)
+    return EngineConfig(**fields)
+
+
+class KitWorld:
+    """One engine shared by the whole kit run, with the oracle and the report.
+
+    ``current`` is the oracle key of the weights the engine serves now; tests that change the
+    weights keep it up to date, and :meth:`restore` brings the base weights back.
+    """
+
+    def __init__(self, engine: Engine, oracle: Oracle, report: KitReport, events: EventRecorder, tmp: Path) -> None:
+        self.engine = engine
+        self.oracle = oracle
+        self.report = report
+        self.events = events
+        self.tmp = tmp
+        self.current = BASE
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="rlinfer-kit")
+        self._counter = 0
+
+    # --- facts -----------------------------------------------------------------------------
+
+    @property
+    def backend(self) -> str:
+        """Backend name."""
+        return self.engine.async_engine.backend_name
+
+    def supports(self, capability: Capability) -> bool:
+        """True when the engine claims ``capability``."""
+        return self.engine.capabilities.supports(capability)
+
+    @property
+    def vocab_size(self) -> int:
+        """Vocabulary size reported by the engine."""
+        info = self.engine.model_info
+        assert info is not None, "model_info must be set after start"
+        return info.vocab_size
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """EOS ids reported by the engine."""
+        info = self.engine.model_info
+        assert info is not None
+        return info.eos_token_ids
+
+    @property
+    def max_model_len(self) -> int:
+        """Context length reported by the engine."""
+        info = self.engine.model_info
+        assert info is not None
+        return info.max_model_len
+
+    def prompts(self) -> list[list[int]]:
+        """A fixed, varied set of prompts (token ids) for parity checks."""
+        tok = self.oracle.tokenizer
+        texts = ["The quick brown fox", "Question: what is 2 + 3? Answer:", "hello", "Numbers: 0 1 2 3"]
+        out = [list(tok(t, add_special_tokens=False).input_ids) for t in texts]
+        out.append([1, *range(40, 70, 3)])
+        out.append([7])
+        return out
+
+    def request_id(self, prefix: str = "kit") -> str:
+        """A fresh request id."""
+        self._counter += 1
+        return f"{prefix}-{self._counter}"
+
+    def greedy_requests(self, max_tokens: int = 12, **sampling: Any) -> list[GenerateRequest]:
+        """Greedy requests over :meth:`prompts`."""
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, **sampling)
+        return [
+            GenerateRequest(prompt_token_ids=p, sampling=params, request_id=self.request_id()) for p in self.prompts()
+        ]
+
+    # --- running things --------------------------------------------------------------------
+
+    def generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:
+        """Generate and time it."""
+        started = time.perf_counter()
+        out = self.engine.generate(list(requests))
+        self.report.timings["generate_total"] = self.report.timings.get("generate_total", 0.0) + (
+            time.perf_counter() - started
+        )
+        return out
+
+    def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> concurrent.futures.Future[T]:
+        """Run ``fn`` in a helper thread (e.g. a generate that another call will abort)."""
+        return self.pool.submit(fn, *args, **kwargs)
+
+    def run_async(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run a coroutine of the AsyncEngine on the sync Engine's loop (for hooks that the sync
+        wrapper does not expose, e.g. the bench ones)."""
+        import asyncio
+
+        loop = self.engine._loop  # the sync wrapper's event loop thread
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout=OP_TIMEOUT_S)
+
+    def check_parity(
+        self, checkpoint: str | None, requests: Sequence[GenerateRequest], completions: Sequence[Completion]
+    ) -> Parity:
+        """Compare completions with the oracle for the served weights; assert and record."""
+        parity = self.oracle.check_all(self.current, requests, completions)
+        if checkpoint is not None:
+            self.report.record_parity(
+                checkpoint, parity.max_abs_logprob_delta, parity.tokens_checked, len(parity.argmax_mismatches)
+            )
+        assert not parity.argmax_mismatches, "greedy tokens differ from the oracle's argmax:\n" + "\n".join(
+            parity.argmax_mismatches[:10]
+        )
+        assert parity.max_abs_logprob_delta <= LOGPROB_TOLERANCE, (
+            f"max |logprob - oracle| = {parity.max_abs_logprob_delta:.3g} > {LOGPROB_TOLERANCE} "
+            f"(weights {self.current}, {parity.tokens_checked} tokens)"
+        )
+        return parity
+
+    def generate_and_check(self, checkpoint: str | None, max_tokens: int = 12) -> list[Completion]:
+        """Greedy batch over the fixed prompts, checked against the oracle."""
+        requests = self.greedy_requests(max_tokens=max_tokens)
+        completions = self.generate(requests)
+        self.check_parity(checkpoint, requests, completions)
+        return completions
+
+    # --- weights ---------------------------------------------------------------------------
+
+    def local_transports(self) -> list[Capability]:
+        """Claimed transports usable without a broadcast group."""
+        return [t for t in LOCAL_TRANSPORTS if self.supports(t)]
+
+    def source(self, transport: Capability, key: str) -> WeightSource:
+        """A full weight source for oracle model ``key`` over ``transport``."""
+        tensors = self.oracle.named_parameters(key)
+        if transport is Capability.WEIGHTS_TENSORS:
+            return NamedTensors.of(tensors)
+        if transport is Capability.WEIGHTS_BUCKETS:
+            from rlinfer_core.transfer.buckets import pack
+
+            return Buckets(pack(tensors, max_bucket_bytes=SMALL_BUCKET_BYTES))
+        if transport is Capability.WEIGHTS_DISK:
+            from rlinfer_core.transfer.disk import save_dir
+
+            path = self.tmp / f"ckpt-{key}"
+            if not path.exists():
+                save_dir(tensors, path)
+            return CheckpointDir(str(path))
+        raise ValueError(f"no local source for {transport}")
+
+    def update(self, transport: Capability, key: str) -> int:
+        """Load oracle model ``key`` over ``transport``; asserts the version went up by one."""
+        before = self.engine.weight_version
+        started = time.perf_counter()
+        if transport is Capability.WEIGHTS_BROADCAST:
+            version = self.broadcast_update(key)
+        else:
+            version = self.engine.update_weights(self.source(transport, key))
+        name = f"update_{transport.value.removeprefix('weights.')}"
+        self.report.timings[name] = time.perf_counter() - started
+        self.current = key
+        assert version == before + 1 == self.engine.weight_version, (before, version, self.engine.weight_version)
+        return version
+
+    def broadcast_update(self, key: str) -> int:
+        """Send model ``key`` through a fresh gloo group (trainer side is rlinfer_core's)."""
+        from rlinfer_core.transfer.broadcast import WeightBroadcaster, free_port
+        from rlinfer_core.weights import BroadcastGroup
+
+        group = BroadcastGroup("127.0.0.1", free_port(), world_size=2, backend="gloo", timeout_s=60.0)
+        joined = self.submit(self.engine.init_weight_broadcast, group)
+        sender = WeightBroadcaster(group)
+        try:
+            joined.result(timeout=OP_TIMEOUT_S)
+            tensors = self.oracle.named_parameters(key)
+            pending = self.submit(self.engine.update_weights, sender.source(tensors))
+            sender.send(tensors)
+            return pending.result(timeout=OP_TIMEOUT_S)
+        finally:
+            sender.close()
+
+    def restore(self) -> None:
+        """Serve the base weights again (no-op when already served)."""
+        if self.current == BASE:
+            return
+        transports = self.local_transports()
+        assert transports, "weights changed, but no local transport is claimed to restore them"
+        self.update(transports[0], BASE)
+
+    def close(self) -> None:
+        """Stop the helper threads."""
+        self.pool.shutdown(wait=False, cancel_futures=True)
