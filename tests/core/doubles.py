@@ -1,0 +1,205 @@
+"""TEST-ONLY double of a backend, for the Engine facade's unit tests. Not an engine.
+
+``RecordingDoubleBackend`` implements the operation hooks in pure Python with deterministic fake
+outputs and records every call, so the tests can check what the facade does *around* a backend
+(validation, capability checks, versions, timeouts, events). It is never used to prove a real
+backend: the conformance kit runs real engines only.
+
+It is configured through ``EngineConfig.engine_kwargs``:
+``supported`` (capability values), ``generate_delay_s``, ``fail_update`` (raise while loading).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from rlinfer_core.discovery import BackendInfo
+from rlinfer_core.model_info import ModelInfo
+from rlinfer_core.types import (
+    Capabilities,
+    Capability,
+    Completion,
+    CompletionDelta,
+    EngineConfig,
+    FinishReason,
+    GenerateRequest,
+    MemoryTag,
+    PauseMode,
+)
+from rlinfer_core.weights import BroadcastGroup, TensorSpec, WeightUpdate
+
+from rlinfer_core import hookimpl
+
+VOCAB = 100
+MAX_LEN = 32
+SPECS = {
+    "w": TensorSpec("w", "float32", (2, 2)),
+    "b": TensorSpec("b", "float32", (2,)),
+}
+DEFAULT_SUPPORTED = frozenset(Capability) - {Capability.MEMORY_RELEASE, Capability.CHAT}
+
+#: every double built by the factory, newest last (tests read the one their engine uses)
+INSTANCES: list[RecordingDoubleBackend] = []
+
+
+class RecordingDoubleBackend:
+    """Pure-Python stand-in for a backend: deterministic outputs, every call recorded."""
+
+    def __init__(self, config: EngineConfig | None = None, **options: Any) -> None:
+        kwargs = {**(dict(config.engine_kwargs) if config is not None else {}), **options}
+        self.supported = frozenset(Capability(c) for c in kwargs.get("supported", DEFAULT_SUPPORTED))
+        self.generate_delay_s = float(kwargs.get("generate_delay_s", 0.0))
+        self.fail_update = bool(kwargs.get("fail_update", False))
+        self.calls: list[tuple[str, Any]] = []
+        self.started = False
+        INSTANCES.append(self)
+
+    def names(self) -> list[str]:
+        """Names of the hooks called so far, in order."""
+        return [name for name, _ in self.calls]
+
+    @hookimpl
+    async def rlinfer_start(self, config: EngineConfig) -> None:
+        self.calls.append(("start", config))
+        self.started = True
+
+    @hookimpl
+    def rlinfer_capabilities(self) -> Capabilities:
+        return Capabilities("double", "0.0", "cpu", self.supported, {"memory.release": "the double holds no memory"})
+
+    @hookimpl
+    def rlinfer_model_info(self) -> ModelInfo:
+        return ModelInfo(VOCAB, MAX_LEN, (0,))
+
+    @hookimpl
+    def rlinfer_weight_specs(self) -> dict[str, TensorSpec]:
+        return dict(SPECS)
+
+    def _tokens(self, request: GenerateRequest, index: int) -> tuple[int, ...]:
+        base = sum(request.prompt_token_ids or (7,)) + index
+        return tuple((base + i) % VOCAB for i in range(request.sampling.max_tokens))
+
+    @hookimpl
+    async def rlinfer_generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:
+        self.calls.append(("generate", [r.request_id for r in requests]))
+        if self.generate_delay_s:
+            await asyncio.sleep(self.generate_delay_s)
+        out = []
+        for r in requests:
+            for index in range(r.sampling.n):
+                tokens = self._tokens(r, index)
+                out.append(
+                    Completion(
+                        request_id=r.request_id,
+                        index=index,
+                        prompt_token_ids=r.prompt_token_ids or (),
+                        token_ids=tokens,
+                        logprobs=tuple(-0.5 for _ in tokens),
+                        finish_reason=FinishReason.LENGTH,
+                    )
+                )
+        return out
+
+    @hookimpl
+    async def rlinfer_generate_stream(self, request: GenerateRequest) -> AsyncIterator[CompletionDelta]:
+        self.calls.append(("stream", request.request_id))
+        tokens = self._tokens(request, 0)
+        for i, token in enumerate(tokens):
+            if self.generate_delay_s:
+                await asyncio.sleep(self.generate_delay_s)
+            last = i == len(tokens) - 1
+            yield CompletionDelta(
+                request.request_id, 0, (token,), (-0.5,), FinishReason.LENGTH if last else None, None, 0
+            )
+
+    @hookimpl
+    async def rlinfer_abort(self, request_ids: Sequence[str] | None) -> None:
+        self.calls.append(("abort", None if request_ids is None else list(request_ids)))
+
+    @hookimpl
+    async def rlinfer_pause(self, mode: PauseMode) -> None:
+        self.calls.append(("pause", mode))
+
+    @hookimpl
+    async def rlinfer_resume(self) -> None:
+        self.calls.append(("resume", None))
+
+    @hookimpl
+    async def rlinfer_update_weights(self, update: WeightUpdate) -> None:
+        self.calls.append(("update_weights", update))
+        if self.fail_update:
+            raise RuntimeError("double: simulated load failure")
+
+    @hookimpl
+    async def rlinfer_init_weight_broadcast(self, group: BroadcastGroup) -> None:
+        self.calls.append(("init_weight_broadcast", group))
+
+    @hookimpl
+    async def rlinfer_release_memory(self, tags: frozenset[MemoryTag]) -> None:
+        self.calls.append(("release_memory", tags))
+
+    @hookimpl
+    async def rlinfer_resume_memory(self, tags: frozenset[MemoryTag]) -> None:
+        self.calls.append(("resume_memory", tags))
+
+    @hookimpl
+    async def rlinfer_reset_prefix_cache(self) -> None:
+        self.calls.append(("reset_prefix_cache", None))
+
+    @hookimpl
+    async def rlinfer_check_health(self) -> None:
+        self.calls.append(("check_health", None))
+
+    @hookimpl
+    async def rlinfer_shutdown(self) -> None:
+        self.calls.append(("shutdown", None))
+
+
+def make_double(config: EngineConfig) -> RecordingDoubleBackend:
+    """Factory named by :data:`DOUBLE_INFO`."""
+    return RecordingDoubleBackend(config)
+
+
+def describe() -> Capabilities:
+    """Capabilities without building the double."""
+    return Capabilities("double", "0.0", "cpu", DEFAULT_SUPPORTED)
+
+
+#: registered under ``rlinfer.backends`` by a throwaway dist-info in the tests; the "engine"
+#: requirement is pluggy, which is always installed next to rlinfer_core
+DOUBLE_INFO = BackendInfo("double", ("pluggy>=1",), "doubles:make_double", describe, summary="test-only double")
+
+
+class RecordingObserver:
+    """Observer plugin that records every event it receives."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict[str, Any]]] = []
+
+    def of(self, name: str) -> list[dict[str, Any]]:
+        """Keyword arguments of every ``name`` event."""
+        return [kw for n, kw in self.events if n == name]
+
+    @hookimpl
+    def rlinfer_on_engine_started(self, backend: str, capabilities: Capabilities, seconds: float) -> None:
+        self.events.append(("started", {"backend": backend, "capabilities": capabilities, "seconds": seconds}))
+
+    @hookimpl
+    def rlinfer_on_generate_done(
+        self, backend: str, requests: Sequence[GenerateRequest], completions: Sequence[Completion], seconds: float
+    ) -> None:
+        self.events.append(("generate_done", {"requests": list(requests), "completions": list(completions)}))
+
+    @hookimpl
+    def rlinfer_on_weights_updated(self, backend: str, version: int, transport: str, nbytes: int) -> None:
+        self.events.append(("weights_updated", {"version": version, "transport": transport, "nbytes": nbytes}))
+
+    @hookimpl
+    def rlinfer_on_weight_update_failed(self, transport: str, error: Exception) -> None:
+        self.events.append(("weight_update_failed", {"transport": transport, "error": error}))
+
+    @hookimpl
+    def rlinfer_on_engine_shutdown(self, backend: str) -> None:
+        self.events.append(("shutdown", {"backend": backend}))
