@@ -44,7 +44,7 @@ def test_greedy_matches_oracle_at_start(rlinfer_world: KitWorld) -> None:
 @pytest.mark.hooks("rlinfer_generate")
 def test_generate_contract_properties(rlinfer_world: KitWorld) -> None:
     caps = rlinfer_world.engine.capabilities
-    worst = [0.0]
+    worst = [0.0, 0.0]
 
     @given(st.lists(valid_requests(caps, rlinfer_world.vocab_size), min_size=1, max_size=3))
     def prop(requests: list[GenerateRequest]) -> None:
@@ -58,9 +58,10 @@ def test_generate_contract_properties(rlinfer_world: KitWorld) -> None:
                 assert not p.argmax_mismatches, p.argmax_mismatches
                 assert p.max_abs_logprob_delta <= LOGPROB_TOLERANCE, (p.max_abs_logprob_delta, r, c)
                 worst[0] = max(worst[0], p.max_abs_logprob_delta)
+                worst[1] += p.tokens_checked
 
     prop()
-    rlinfer_world.report.record_parity("property_requests", worst[0], 0, 0)
+    rlinfer_world.report.record_parity("property_requests", worst[0], int(worst[1]), 0)
 
 
 @pytest.mark.hooks("rlinfer_generate")
