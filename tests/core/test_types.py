@@ -209,14 +209,15 @@ def test_invalid_field_raises_invalid_request_naming_field_and_range(
     assert field in str(info.value)
 
 
-@pytest.mark.parametrize(("cls", "field", "value", "allowed"), BAD_FIELDS)
+WIRE_BAD_FIELDS = [case for case in BAD_FIELDS if not (isinstance(case[2], float) and math.isnan(case[2]))]
+
+
+@pytest.mark.parametrize(("cls", "field", "value", "allowed"), WIRE_BAD_FIELDS)
 def test_invalid_field_arriving_over_the_wire_is_rejected_the_same_way(
     cls: type, field: str, value: Any, allowed: str
 ) -> None:
     data = to_wire(cls(**REQUIRED[cls]))
     data[field] = value
-    if isinstance(value, float) and math.isnan(value):
-        pytest.skip("NaN cannot cross JSON")
     with pytest.raises(InvalidRequest) as info:
         from_wire(data, cls)
     assert info.value.field == field
