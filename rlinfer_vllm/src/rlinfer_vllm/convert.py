@@ -1,0 +1,134 @@
+"""Conversions between rlinfer's request/result types and vLLM's, kept cheap per token.
+
+Requests ask vLLM for *flat* logprobs (``FlatLogprobs``: a few flat lists per sequence instead of
+one dict per token), in which each position's first entry is the sampled token and the rest are
+its top-k alternatives. vLLM runs with ``logprobs_mode="processed_logprobs"``, so those values
+are under the sampling distribution (temperature, top-k/top-p applied); greedy gives plain
+log_softmax. Prompt logprobs are always plain log_softmax.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from rlinfer_core.types import Completion, CompletionDelta, FinishReason, GenerateRequest
+
+if TYPE_CHECKING:
+    from vllm.outputs import CompletionOutput, RequestOutput
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+FINISH_REASONS: Mapping[str | None, FinishReason] = {
+    "stop": FinishReason.STOP,
+    "length": FinishReason.LENGTH,
+    "abort": FinishReason.ABORT,
+}
+
+
+def sampling_params(
+    request: GenerateRequest, prompt_len: int, max_model_len: int, kind: RequestOutputKind
+) -> SamplingParams:
+    """vLLM SamplingParams for ``request``; max/min tokens are capped by the context left."""
+    from vllm import SamplingParams
+
+    s = request.sampling
+    room = max(max_model_len - prompt_len, 1)
+    return SamplingParams(
+        n=s.n,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=0 if s.top_k == -1 else s.top_k,
+        seed=s.seed,
+        max_tokens=min(s.max_tokens, room),
+        min_tokens=min(s.min_tokens, room),
+        stop=list(s.stop) or None,
+        stop_token_ids=list(s.stop_token_ids) or None,
+        ignore_eos=s.ignore_eos,
+        logprobs=s.logprobs,
+        prompt_logprobs=0 if s.prompt_logprobs else None,
+        flat_logprobs=True,
+        output_kind=kind,
+    )
+
+
+def finish_reason(reason: str | None) -> FinishReason:
+    """rlinfer's finish reason for vLLM's string (anything unexpected ends as "abort")."""
+    return FINISH_REASONS.get(reason, FinishReason.ABORT)
+
+
+def _sampled(flat: Any) -> tuple[float, ...]:
+    if not flat:
+        return ()
+    values = flat.logprobs
+    return tuple(values[i] for i in flat.start_indices)
+
+
+def _top(flat: Any) -> tuple[Mapping[int, float], ...]:
+    if not flat:
+        return ()
+    ids, values = flat.token_ids, flat.logprobs
+    return tuple(
+        dict(zip(ids[a + 1 : b], values[a + 1 : b], strict=True))
+        for a, b in zip(flat.start_indices, flat.end_indices, strict=True)
+    )
+
+
+def _prompt(flat: Any) -> tuple[float | None, ...] | None:
+    if flat is None:
+        return None
+    values = flat.logprobs
+    return tuple(values[a] if b > a else None for a, b in zip(flat.start_indices, flat.end_indices, strict=True))
+
+
+def completions(request: GenerateRequest, out: RequestOutput, latency_s: float) -> list[Completion]:
+    """The ``n`` completions of a finished (or aborted) request, by sample index."""
+    s = request.sampling
+    prompt_ids = tuple(out.prompt_token_ids or ())
+    prompt_lps = _prompt(out.prompt_logprobs) if s.prompt_logprobs else None
+    result = []
+    for o in sorted(out.outputs, key=lambda o: o.index):
+        result.append(
+            Completion(
+                request_id=request.request_id,
+                index=o.index,
+                prompt_token_ids=prompt_ids,
+                token_ids=tuple(o.token_ids),
+                logprobs=_sampled(o.logprobs),
+                finish_reason=finish_reason(o.finish_reason),
+                stop_reason=o.stop_reason,
+                top_logprobs=_top(o.logprobs) if s.logprobs else None,
+                prompt_logprobs=prompt_lps,
+                text=o.text,
+                latency_s=latency_s,
+            )
+        )
+    return result
+
+
+def aborted_before_output(request: GenerateRequest, prompt_ids: list[int], latency_s: float) -> list[Completion]:
+    """Completions for a request aborted before vLLM produced any output for it."""
+    return [
+        Completion(
+            request_id=request.request_id,
+            index=i,
+            prompt_token_ids=tuple(prompt_ids),
+            token_ids=(),
+            logprobs=(),
+            finish_reason=FinishReason.ABORT,
+            text="",
+            latency_s=latency_s,
+        )
+        for i in range(request.sampling.n)
+    ]
+
+
+def delta(request_id: str, o: CompletionOutput, finished: bool) -> CompletionDelta:
+    """One streaming increment from a DELTA-kind output."""
+    return CompletionDelta(
+        request_id=request_id,
+        index=o.index,
+        token_ids=tuple(o.token_ids),
+        logprobs=_sampled(o.logprobs),
+        finish_reason=finish_reason(o.finish_reason) if finished else None,
+        stop_reason=o.stop_reason if finished else None,
+    )

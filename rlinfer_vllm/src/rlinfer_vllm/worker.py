@@ -1,0 +1,154 @@
+"""Weight loading inside vLLM's worker processes (a vLLM ``worker_extension_cls``).
+
+vLLM mixes this class into its Worker; the backend calls its ``rlinfer_*`` methods through
+``AsyncLLM.collective_rpc``, whose arguments travel by msgpack (bytes, str, lists), so tensors
+arrive as shared-memory / CUDA-IPC handles (:mod:`rlinfer_core.transfer.ipc`), as a directory
+path, or over the broadcast group.
+
+Loading uses vLLM's own in-place reload (``Worker.reload_weights``), which re-runs the model's
+``load_weights`` and kernel packing. That reload processes whole layers: a layer whose fused
+parameters (e.g. ``qkv_proj`` from q/k/v) are only partly given would be rebuilt from
+uninitialised memory, and vLLM's packed CPU weights cannot be read back. So the extension keeps a
+host copy of the checkpoint (HF names, engine dtype) - the *shadow* - and:
+
+- a full update is loaded as given; a partial one is merged into the shadow first;
+- the shadow is committed only after the engine loaded the update;
+- if loading fails, the shadow (the old weights) is loaded back before the error is raised.
+
+Its cost is one host-memory copy of the weights per worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+Pair = tuple[str, "torch.Tensor"]
+
+
+class RLInferWorkerExtension:
+    """Mixed into vLLM's Worker; every public name starts with ``rlinfer_`` (no clashes)."""
+
+    # attributes of vLLM's Worker that this mixin uses
+    vllm_config: Any
+    model_runner: Any
+    device: Any
+    rank: int
+
+    _rlinfer_shadow: dict[str, torch.Tensor]
+    _rlinfer_shadow_dir: str | None
+    _rlinfer_group: Any
+
+    # --- setup --------------------------------------------------------------------------------
+
+    def rlinfer_init(self) -> list[tuple[str, str, list[int]]]:
+        """Build the shadow from the model's checkpoint; return (name, dtype, shape) of each."""
+        self._rlinfer_shadow = dict(self._rlinfer_read_checkpoint())
+        self._rlinfer_shadow_dir = None
+        self._rlinfer_group = None
+        return [(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in self._rlinfer_shadow.items()]
+
+    def _rlinfer_read_checkpoint(self) -> Iterable[Pair]:
+        from vllm.model_executor.model_loader import get_model_loader
+
+        model_config = self.vllm_config.model_config
+        loader = get_model_loader(self.vllm_config.load_config)
+        dtype = model_config.dtype
+        for name, tensor in loader.get_all_weights(model_config, self.model_runner.get_model()):
+            yield name, tensor.to(device="cpu", dtype=dtype).clone()
+
+    # --- transports ---------------------------------------------------------------------------
+
+    def rlinfer_load_ipc(self, payload: bytes) -> int:
+        """Load (name, tensor) pairs shared by :func:`rlinfer_core.transfer.ipc.dumps`."""
+        from rlinfer_core.transfer import ipc
+
+        return self._rlinfer_apply(ipc.loads(payload))
+
+    def rlinfer_load_buckets(self, manifests: bytes, payload: bytes) -> int:
+        """Load core buckets: pickled manifests plus their data shared through ipc."""
+        import pickle
+
+        from rlinfer_core.transfer import ipc
+        from rlinfer_core.transfer.buckets import unpack_all
+        from rlinfer_core.weights import Bucket
+
+        metas = pickle.loads(manifests)
+        datas = [t for _, t in ipc.loads(payload)]
+        buckets = [Bucket(m, d) for m, d in zip(metas, datas, strict=True)]
+        # the facade verified the checksums on these very bytes (same shared memory)
+        return self._rlinfer_apply(unpack_all(buckets, check=False))
+
+    def rlinfer_load_dir(self, path: str) -> int:
+        """Load every tensor of a safetensors directory."""
+        from rlinfer_core.transfer.disk import read_tensors
+
+        return self._rlinfer_apply(read_tensors(path))
+
+    def rlinfer_join_group(self, fields: dict[str, Any]) -> int:
+        """Join the trainer's broadcast group as rank 1 + this worker's rank."""
+        from rlinfer_core.transfer.broadcast import create_group, destroy_group
+        from rlinfer_core.weights import BroadcastGroup
+
+        if self._rlinfer_group is not None:
+            destroy_group(self._rlinfer_group)
+            self._rlinfer_group = None
+        group = BroadcastGroup(**fields)
+        self._rlinfer_group = create_group(group, rank=1 + int(self.rank))
+        return 1 + int(self.rank)
+
+    def rlinfer_load_broadcast(self, specs: list[tuple[str, str, list[int]]]) -> int:
+        """Receive tensors from rank 0 in ``specs`` order, check them, then load them."""
+        from rlinfer_core.errors import WeightUpdateError
+        from rlinfer_core.transfer.broadcast import receive
+        from rlinfer_core.transfer.validate import nonfinite_problems
+        from rlinfer_core.weights import TensorSpec
+
+        if self._rlinfer_group is None:
+            raise WeightUpdateError("no broadcast group: call init_weight_broadcast first")
+        device = "cpu" if self.vllm_config.device_config.device_type == "cpu" else self.device
+        tensors = receive(self._rlinfer_group, [TensorSpec(n, d, tuple(s)) for n, d, s in specs], device)
+        problems = nonfinite_problems(tensors)
+        if problems:
+            raise WeightUpdateError("broadcast weights rejected", tuple(problems))
+        return self._rlinfer_apply(tensors)
+
+    def rlinfer_shadow_from_dir(self, path: str) -> None:
+        """Note that the engine now serves the checkpoint at ``path`` (loaded by vLLM itself)."""
+        self._rlinfer_shadow_dir = path
+
+    # --- loading ------------------------------------------------------------------------------
+
+    def _rlinfer_apply(self, tensors: Sequence[Pair]) -> int:
+        """Load ``tensors`` all-or-nothing; return how many were loaded."""
+        self._rlinfer_sync_shadow()
+        shadow = self._rlinfer_shadow
+        given = dict(tensors)
+        if len(given) == len(shadow) and given.keys() == shadow.keys():
+            items: Iterable[Pair] = given.items()
+        else:
+            items = ((name, given.get(name, old)) for name, old in shadow.items())
+        try:
+            self.reload_weights(weights_iterator=iter(list(items)))  # type: ignore[attr-defined]
+        except BaseException:
+            # put the previous weights back before reporting the failure
+            self.reload_weights(weights_iterator=iter(list(shadow.items())))  # type: ignore[attr-defined]
+            raise
+        for name, tensor in given.items():
+            shadow[name].copy_(tensor)
+        return len(given)
+
+    def _rlinfer_sync_shadow(self) -> None:
+        """After a raw vLLM reload from disk, refresh the shadow from that directory."""
+        path = self._rlinfer_shadow_dir
+        if path is None:
+            return
+        from rlinfer_core.transfer.disk import read_tensors
+
+        for name, tensor in read_tensors(path):
+            if name in self._rlinfer_shadow:
+                self._rlinfer_shadow[name].copy_(tensor)
+        self._rlinfer_shadow_dir = None
