@@ -1,0 +1,25 @@
+# ON THE DEVICE, sourced: environment for running rlinfer on an installed engine bundle.
+# Usage: source gpu/env.sh vllm|sglang
+# The site dir goes FIRST on PYTHONPATH so the bundle shadows the image where it must
+# (SGLang pins transformers 5.12.1, tokenizers, protobuf); then the repo's sources.
+_gpu_engine=${1:?usage: source gpu/env.sh vllm|sglang}
+_gpu_here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+_gpu_repo=$(dirname "$_gpu_here")
+_gpu_site=${GPU_SITE_ROOT:-/tmp}/${_gpu_engine}_site
+case "$_gpu_engine" in
+  vllm) _gpu_backend=rlinfer_vllm ;;
+  sglang) _gpu_backend=rlinfer_sglang ;;
+  *) echo "env.sh: unknown engine '$_gpu_engine'" >&2; return 2 ;;
+esac
+# the image's own CUDA 13 libraries (torch_memory_saver's preload hook needs them), found
+# with a clean PYTHONPATH so the bundle's nvidia/ namespace does not hide the image's
+_gpu_cu13=$(PYTHONPATH= python3 -c 'import os, nvidia; print(next((os.path.join(p, "cu13", "lib") for p in nvidia.__path__ if os.path.isdir(os.path.join(p, "cu13", "lib"))), ""))' 2>/dev/null || true)
+export PYTHONPATH="$(python3 "$_gpu_here/bundle_tool.py" pythonpath "$_gpu_site"):$_gpu_repo/rlinfer_core/src:$_gpu_repo/conformance/src:$_gpu_repo/$_gpu_backend/src${PYTHONPATH:+:$PYTHONPATH}"
+if [ -n "$_gpu_cu13" ]; then
+  export LD_LIBRARY_PATH="$_gpu_cu13${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+export PATH="$_gpu_site/bin:$PATH"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# Never let anything try the hub (there is no network on the device).
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+unset _gpu_engine _gpu_here _gpu_repo _gpu_site _gpu_backend _gpu_cu13

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# ON THE DEVICE: run rlinfer's GPU checks against an installed engine bundle (gpu/install.sh).
+# Usage: bash gpu/run_suite.sh vllm|sglang [STEP...]
+#   STEPs (default: all, in this order): info model conformance bench weightsync
+#   - info:        nvidia-smi, versions, `rlinfer backends --json`             -> $OUT/info-E.txt
+#   - model:       the ~0.6B random bf16 model in $RLINFER_GPU_MODEL (kept while warm)
+#   - conformance: the conformance kit                                         -> $OUT/conformance-E.{json,log}
+#   - bench:       `rlinfer bench` (rlinfer vs raw engine) on that model        -> $OUT/bench-E.{json,log}
+#   - weightsync:  bench/gpu/weight_sync_bench.py (CUDA-IPC GB/s, release/resume) -> $OUT/weightsync-E.{json,log}
+# A run call is limited to 600 s and an engine start takes ~1.5 min on the GPU, so pass one or
+# two steps per call (docs/gpu.md has the sequence). Per-step time limits: RLINFER_GPU_TIMEOUT
+# (seconds, default 540). Extra pytest args: RLINFER_GPU_PYTEST_ARGS. Extra bench args:
+# RLINFER_GPU_BENCH_ARGS. Writes at most 8 files to $OUT (what a run call can bring back).
+set -uo pipefail
+ENGINE=${1:?usage: run_suite.sh vllm|sglang [info model conformance bench weightsync]}
+shift
+STEPS=("$@")
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(info model conformance bench weightsync)
+HERE=$(cd "$(dirname "$0")" && pwd)
+REPO=$(dirname "$HERE")
+cd "$REPO"
+OUT=${OUT:-/tmp/rlinfer_out}
+mkdir -p "$OUT"
+MODEL=${RLINFER_GPU_MODEL:-/tmp/rlinfer_model}
+LIMIT=${RLINFER_GPU_TIMEOUT:-540}
+SITE=${GPU_SITE_ROOT:-/tmp}/${ENGINE}_site
+if [ ! -f "$SITE/.installed" ]; then
+  echo "run_suite: $SITE is not installed; stage the parts and run gpu/install.sh $ENGINE first" >&2
+  exit 2
+fi
+# shellcheck source=/dev/null
+source "$HERE/env.sh" "$ENGINE"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+rc=0
+
+step() {  # step NAME LOGFILE CMD...: run with a time limit, log to $OUT, remember failures
+  local name=$1 log=$2
+  shift 2
+  echo "=== [$ENGINE] $name: $*"
+  local t0=$SECONDS
+  timeout --signal=TERM --kill-after=20 "$LIMIT" "$@" 2>&1 | tee "$log"
+  local s=${PIPESTATUS[0]}
+  echo "=== [$ENGINE] $name: exit $s after $(( SECONDS - t0 )) s" | tee -a "$log"
+  [ "$s" -eq 0 ] || rc=1
+}
+
+for s in "${STEPS[@]}"; do
+  case "$s" in
+    info)
+      {
+        nvidia-smi
+        python3 -c 'import sys, torch; print(sys.version); print("torch", torch.__version__, torch.version.cuda, torch.cuda.get_device_name())'
+        python3 -m pip list --path "$SITE" 2>/dev/null | grep -iE '^(vllm|sglang|sglang-kernel|flashinfer|transformers|tokenizers|xgrammar|torch-memory-saver) '
+        python3 -c 'import transformers; print("transformers in use:", transformers.__version__, transformers.__file__)'
+        rlinfer backends --json
+      } > "$OUT/info-$ENGINE.txt" 2>&1
+      cat "$OUT/info-$ENGINE.txt"
+      ;;
+    model)
+      python3 "$HERE/make_model.py" "$MODEL" || rc=1
+      ;;
+    conformance)
+      # shellcheck disable=SC2086
+      step conformance "$OUT/conformance-$ENGINE.log" python3 -m pytest \
+        "tests/backends/test_${ENGINE}_conformance.py" -q -p rlinfer_conformance \
+        --rlinfer-backend "$ENGINE" --rlinfer-report "$OUT/conformance-$ENGINE.json" \
+        ${RLINFER_GPU_PYTEST_ARGS:-}
+      ;;
+    bench)
+      # shellcheck disable=SC2086
+      step bench "$OUT/bench-$ENGINE.log" rlinfer bench --backend "$ENGINE" --model "$MODEL" \
+        --dtype bfloat16 --prompts 64 --prompt-len 128 --max-tokens 128 --runs 3 \
+        --json-out "$OUT/bench-$ENGINE.json" ${RLINFER_GPU_BENCH_ARGS:-}
+      ;;
+    weightsync)
+      step weightsync "$OUT/weightsync-$ENGINE.log" python3 bench/gpu/weight_sync_bench.py \
+        --backend "$ENGINE" --model "$MODEL" --json-out "$OUT/weightsync-$ENGINE.json"
+      ;;
+    *)
+      echo "run_suite: unknown step '$s'" >&2
+      rc=2
+      ;;
+  esac
+done
+exit $rc
