@@ -98,6 +98,7 @@ def write_plots(out: Path, info: RunInfo, records: Sequence[StepRecord], parity_
     ax.semilogy(steps, gaps, marker="o", ms=3, label="max |trainer - engine| logprob")
     ax.axhline(parity_tolerance, color="red", ls="--", label=f"tolerance {parity_tolerance:g}")
     ax.set(xlabel="step", ylabel="logprob gap", title=title)
+    ax.set_ylim(min(1e-8, min(gaps) / 10), parity_tolerance * 5)
     ax.legend(loc="lower right")
     ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
