@@ -1,4 +1,4 @@
-"""The Engine facade around a TEST-ONLY double backend (see doubles.py).
+"""The Engine facade around a TEST-ONLY double backend (see recording_double.py).
 
 The double is registered through a throwaway ``rlinfer.backends`` entry point (a dist-info
 folder on sys.path), so ``AsyncEngine.open`` / ``open_engine`` run their real discovery path.
@@ -15,7 +15,7 @@ from typing import Any
 import pluggy
 import pytest
 import torch
-from doubles import INSTANCES, RecordingDoubleBackend, RecordingObserver
+from recording_double import INSTANCES, RecordingDoubleBackend, RecordingObserver
 from rlinfer_core.engine import AsyncEngine, open_engine
 from rlinfer_core.errors import (
     EngineDead,
@@ -36,7 +36,7 @@ def double_entry_point(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Non
     info = site / "rlinfer_double_backend-0.0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: rlinfer-double-backend\nVersion: 0.0.1\n")
-    (info / "entry_points.txt").write_text("[rlinfer.backends]\ndouble = doubles:DOUBLE_INFO\n")
+    (info / "entry_points.txt").write_text("[rlinfer.backends]\ndouble = recording_double:DOUBLE_INFO\n")
     with pytest.MonkeyPatch.context() as mp:
         mp.syspath_prepend(str(site))
         mp.delenv("RLINFER_BACKENDS", raising=False)
@@ -330,7 +330,7 @@ class UnknownHook:
 
 @pytest.mark.parametrize("plugin", [WrongArgumentName(), UnknownHook()])
 def test_bad_hookimpls_are_rejected_at_registration(plugin: Any) -> None:
-    from doubles import DOUBLE_INFO
+    from recording_double import DOUBLE_INFO
 
     with pytest.raises(pluggy.PluginValidationError):
         AsyncEngine(DOUBLE_INFO, RecordingDoubleBackend(), EngineConfig(model="m"), [plugin])

@@ -169,7 +169,7 @@ def describe() -> Capabilities:
 
 #: registered under ``rlinfer.backends`` by a throwaway dist-info in the tests; the "engine"
 #: requirement is pluggy, which is always installed next to rlinfer_core
-DOUBLE_INFO = BackendInfo("double", ("pluggy>=1",), "doubles:make_double", describe, summary="test-only double")
+DOUBLE_INFO = BackendInfo("double", ("pluggy>=1",), "recording_double:make_double", describe, summary="test double")
 
 
 class RecordingObserver:
