@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -112,17 +113,35 @@ def cmd_assemble(stage: Path, engine: str) -> int:
     return 0
 
 
-def cmd_pythonpath(site: Path) -> int:
-    """Print SITE plus the directories its .pth files name (import lines skipped)."""
-    entries = [str(site)]
+# ``import ...; sys.path.insert(0, os.path.join(PKG.__path__[0], 'SUB'))`` (nvidia-cutlass-dsl)
+_PTH_JOIN = re.compile(r"os\.path\.join\(\s*(\w+)\.__path__\[0\]\s*,\s*['\"]([^'\"]+)['\"]\s*\)")
+
+
+def pth_dirs(site: Path) -> list[Path]:
+    """Directories that SITE's .pth files would add to sys.path (without executing them).
+
+    Plain path lines are taken as they are; import lines are understood only in the
+    ``os.path.join(PKG.__path__[0], 'SUB')`` form, resolved to ``SITE/PKG/SUB``.
+    """
+    found: list[Path] = []
     for pth in sorted(site.glob("*.pth")):
-        for line in pth.read_text().splitlines():
-            line = line.strip()
-            if not line or line.startswith(("#", "import ", "import\t")):
+        for raw in pth.read_text().splitlines():
+            line = raw.strip()
+            if not line or line.startswith("#"):
                 continue
-            path = (site / line).resolve()
-            if path.is_dir() and str(path) not in entries:
-                entries.append(str(path))
+            if line.startswith(("import ", "import\t")):
+                found += [site / pkg / sub for pkg, sub in _PTH_JOIN.findall(line)]
+            else:
+                found.append(site / line)
+    return [p.resolve() for p in found if p.is_dir()]
+
+
+def cmd_pythonpath(site: Path) -> int:
+    """Print SITE plus the directories its .pth files name."""
+    entries = [str(site)]
+    for path in pth_dirs(site):
+        if str(path) not in entries:
+            entries.append(str(path))
     print(":".join(entries))
     return 0
 

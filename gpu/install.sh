@@ -37,4 +37,4 @@ else
   echo "install: $ENGINE -> $SITE in $(( $(date +%s) - start )) s ($(du -sm "$SITE" | cut -f1) MiB)"
 fi
 echo "# environment for $ENGINE (same as: source gpu/env.sh $ENGINE):"
-( source "$HERE/env.sh" "$ENGINE" && env | grep -E '^(PYTHONPATH|LD_LIBRARY_PATH|PATH|VLLM_|SGLANG_|RLINFER_|TOKENIZERS_)' | sed 's/^/export /' )
+( source "$HERE/env.sh" "$ENGINE" && env | grep -E '^(PYTHONPATH|LD_LIBRARY_PATH|PATH|PYTHONUNBUFFERED|HF_HUB_OFFLINE|TRANSFORMERS_OFFLINE|TOKENIZERS_PARALLELISM)=' | sed 's/^/export /' )
