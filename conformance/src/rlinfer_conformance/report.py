@@ -50,7 +50,7 @@ class KitReport:
         if outcome != "passed" and entry["outcome"] == "passed":
             entry["outcome"] = outcome
             if detail:
-                entry["detail"] = detail[:2000]
+                entry["detail"] = detail[-3000:]  # the error message is at the end
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
