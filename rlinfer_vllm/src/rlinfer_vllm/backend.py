@@ -175,6 +175,9 @@ class VllmBackend:
         self._closed = True
         llm, self._llm = self._llm, None
         if llm is not None:
+            # stop the output handler first, or it logs the engine core's exit as a failure
+            if llm.output_handler is not None:
+                llm.output_handler.cancel()
             try:
                 await asyncio.get_running_loop().run_in_executor(None, llm.shutdown)
                 # AsyncLLM.__del__ calls shutdown() again, possibly at interpreter exit when
@@ -252,7 +255,7 @@ class VllmBackend:
         latency = time.perf_counter() - started
         if last is None:
             return convert.aborted_before_output(request, ids, latency)
-        return convert.completions(request, last, latency)
+        return convert.replicate(request, convert.completions(request, last, latency))
 
     @hookimpl
     async def rlinfer_generate_stream(self, request: GenerateRequest) -> AsyncIterator[CompletionDelta]:
@@ -269,7 +272,8 @@ class VllmBackend:
                 for o in out.outputs:
                     finished = o.finish_reason is not None
                     if o.token_ids or finished:
-                        yield convert.delta(request.request_id, o, finished)
+                        for item in convert.replicate(request, [convert.delta(request.request_id, o, finished)]):
+                            yield item
         except Exception as exc:
             raise self._translate(exc) from exc
         finally:
@@ -411,7 +415,7 @@ class VllmBackend:
         async def one(request: GenerateRequest, index: int) -> int:
             s = request.sampling
             params = SamplingParams(
-                n=s.n,
+                n=1 if s.greedy else s.n,
                 temperature=s.temperature,
                 top_p=s.top_p,
                 top_k=max(s.top_k, 0),
@@ -430,7 +434,8 @@ class VllmBackend:
                 tokens_input(list(request.prompt_token_ids or ())), params, f"{request.request_id}-raw{index}"
             ):
                 last = out
-            return 0 if last is None else sum(len(o.token_ids) for o in last.outputs)
+            copies = s.n if s.greedy else 1  # vLLM refuses greedy n>1: the n samples are one
+            return 0 if last is None else copies * sum(len(o.token_ids) for o in last.outputs)
 
         counts = await asyncio.gather(*(one(r, i) for i, r in enumerate(requests)))
         return sum(counts)

@@ -34,7 +34,7 @@ def sampling_params(
     s = request.sampling
     room = max(max_model_len - prompt_len, 1)
     return SamplingParams(
-        n=s.n,
+        n=engine_n(request),
         temperature=s.temperature,
         top_p=s.top_p,
         top_k=0 if s.top_k == -1 else s.top_k,
@@ -49,6 +49,22 @@ def sampling_params(
         flat_logprobs=True,
         output_kind=kind,
     )
+
+
+def engine_n(request: GenerateRequest) -> int:
+    """Samples vLLM is asked for: vLLM refuses n>1 with greedy sampling, whose n samples are all
+    the same, so greedy requests run once and the result is replicated (:func:`replicate`)."""
+    return 1 if request.sampling.greedy else request.sampling.n
+
+
+def replicate(request: GenerateRequest, items: list[Any]) -> list[Any]:
+    """Copies of a greedy request's one sample (Completion or CompletionDelta) for indices 1..n-1."""
+    n = request.sampling.n
+    if n == 1 or not request.sampling.greedy:
+        return items
+    import attrs
+
+    return [attrs.evolve(item, index=i) for item in items for i in range(n)]
 
 
 def finish_reason(reason: str | None) -> FinishReason:

