@@ -1,0 +1,110 @@
+"""What the SGLang backend truly supports, per platform. Imports no engine.
+
+SGLang ships one distribution (``sglang``); whether it runs on CPU or CUDA depends on the machine
+and on ``SGLANG_USE_CPU_ENGINE``. :func:`installed_platform` decides cheaply (no torch import):
+CUDA when an NVIDIA driver is visible and the CPU engine is not forced, CPU otherwise. The
+backend re-checks at start against the device the engine was really given.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+from pathlib import Path
+from typing import Literal
+
+from rlinfer_core.types import Capabilities, Capability
+
+BACKEND = "sglang"
+
+#: supported engine versions (PEP 508); 0.5.16 is the oldest verified on GPU, 0.5.23 on CPU
+ENGINE_REQUIREMENTS: tuple[str, ...] = ("sglang>=0.5.16,<0.6",)
+
+Platform = Literal["cpu", "cuda"]
+
+#: supported on every platform the backend runs on
+COMMON: frozenset[Capability] = frozenset(Capability) - {Capability.MEMORY_RELEASE, Capability.SEEDED_SAMPLING}
+
+SEED_NOTE = (
+    "SGLang ignores per-request sampling seeds unless deterministic inference is enabled; the "
+    "engine-wide EngineConfig.seed (random_seed) still makes a fresh engine reproducible"
+)
+PAUSE_NOTES = {
+    Capability.PAUSE_ABORT.value: "SGLang pause_generation(mode='abort')",
+    Capability.PAUSE_WAIT.value: (
+        "done by rlinfer: new requests are held back and pause returns once in-flight ones finished "
+        "(SGLang has no such mode)"
+    ),
+    Capability.PAUSE_KEEP.value: (
+        "SGLang pause_generation(mode='retract'): in-flight requests keep their tokens, their KV "
+        "is recomputed at resume (with the weights loaded by then); 'in_place' is not used because "
+        "SGLang cannot flush the cache while in-place-paused requests hold it"
+    ),
+}
+
+CPU_NOTES = {
+    Capability.MEMORY_RELEASE.value: (
+        "SGLang on CPU frees nothing: release/resume_memory_occupation run but keep every byte, "
+        "and its memory saver needs CUDA; use a GPU to release memory"
+    ),
+    Capability.SEEDED_SAMPLING.value: SEED_NOTE,
+    Capability.WEIGHTS_TENSORS.value: "named tensors reach the scheduler through shared memory",
+    Capability.WEIGHTS_BROADCAST.value: "gloo group; the scheduler receives, checks finiteness, then loads",
+    **PAUSE_NOTES,
+}
+
+CUDA_NOTES = {
+    Capability.MEMORY_RELEASE.value: (
+        "SGLang torch_memory_saver (weights backed up to host memory, KV cache discarded); needs "
+        "EngineConfig(enable_memory_release=True) at start"
+    ),
+    Capability.SEEDED_SAMPLING.value: SEED_NOTE,
+    Capability.WEIGHTS_TENSORS.value: "named tensors reach the scheduler as CUDA IPC handles",
+    Capability.WEIGHTS_BROADCAST.value: "NCCL group; the scheduler receives, checks finiteness, then loads",
+    **PAUSE_NOTES,
+}
+
+MEMORY_RELEASE_OFF_NOTE = (
+    "the engine was started without the memory saver; open it with "
+    "EngineConfig(enable_memory_release=True) to release memory"
+)
+
+
+def installed_version() -> str | None:
+    """Version of the installed ``sglang`` distribution, or None."""
+    try:
+        return md.version("sglang")
+    except md.PackageNotFoundError:
+        return None
+
+
+def installed_platform() -> Platform:
+    """The platform SGLang would run on here, decided without importing torch or SGLang."""
+    if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
+        return "cpu"
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return "cpu"
+    return "cuda" if Path("/proc/driver/nvidia/version").exists() or Path("/dev/nvidiactl").exists() else "cpu"
+
+
+def capabilities(platform: Platform, engine_version: str, memory_release: bool | None = None) -> Capabilities:
+    """Capabilities on ``platform``.
+
+    ``memory_release``: whether the running engine was started with the memory saver; None (as
+    in :func:`describe`) reports what the platform can do.
+    """
+    if platform == "cpu":
+        return Capabilities(BACKEND, engine_version, "cpu", COMMON, dict(CPU_NOTES))
+    notes = dict(CUDA_NOTES)
+    supported = set(COMMON)
+    if memory_release is False:
+        notes[Capability.MEMORY_RELEASE.value] = MEMORY_RELEASE_OFF_NOTE
+    else:
+        supported.add(Capability.MEMORY_RELEASE)
+    return Capabilities(BACKEND, engine_version, "cuda", frozenset(supported), notes)
+
+
+def describe() -> Capabilities:
+    """Capabilities of this machine's SGLang, without importing SGLang."""
+    version = installed_version()
+    return capabilities(installed_platform(), f"sglang {version}" if version else "not installed")

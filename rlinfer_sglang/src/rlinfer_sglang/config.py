@@ -1,0 +1,132 @@
+"""Map rlinfer's :class:`EngineConfig` onto SGLang ``ServerArgs`` keyword arguments.
+
+Pure functions over plain data (no SGLang import), so the mapping is unit-testable anywhere.
+
+=============================  ===============================================================
+EngineConfig                   SGLang ServerArgs
+=============================  ===============================================================
+model / tokenizer              model_path / tokenizer_path
+dtype                          dtype ("auto", "float32", "bfloat16", "float16")
+seed                           random_seed
+device                         device ("cpu" / "cuda"; "auto" = the platform found)
+tensor/data_parallel_size      tp_size / dp_size
+max_model_len                  context_length
+max_num_seqs                   max_running_requests
+kv_cache_memory_bytes          max_total_tokens (bytes / KV bytes per token of the model)
+gpu_memory_utilization         mem_fraction_static
+enable_prefix_caching=False    disable_radix_cache=True
+enable_memory_release (CUDA)   enable_memory_saver=True, enable_weights_cpu_backup=True
+enforce_eager                  disable_cuda_graph=True
+engine_kwargs                  passed through unchanged (they win)
+=============================  ===============================================================
+
+On CPU the backend also sets SGLang's native PyTorch paths: ``attention_backend="torch_native"``,
+``sampling_backend="pytorch"``, ``disable_cuda_graph=True`` and, without a KV budget,
+``mem_fraction_static=0.05`` of host memory.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rlinfer_core.errors import BackendLoadError, InvalidRequest
+from rlinfer_core.types import EngineConfig
+
+from rlinfer_sglang.capabilities import Platform
+
+#: the scheduler-side loader (see rlinfer_sglang.scheduler_side) every engine is started with
+WEIGHT_LOADER = "rlinfer_sglang.scheduler_side.load"
+
+CPU_DEFAULT_MEM_FRACTION = 0.05
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def resolve_platform(config: EngineConfig, found: Platform) -> Platform:
+    """The platform the engine runs on: ``config.device`` unless "auto"."""
+    if config.device == "auto":
+        return found
+    if config.device == "cuda" and found == "cpu":
+        raise BackendLoadError("EngineConfig.device='cuda' but no NVIDIA GPU is visible to SGLang here")
+    return config.device
+
+
+def _hf_config(model: str) -> dict[str, Any] | None:
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    text = data.get("text_config")
+    return text if isinstance(text, dict) else data
+
+
+def kv_bytes_per_token(model: str, dtype: str) -> int | None:
+    """KV-cache bytes one token takes in ``model`` (a local HF directory), or None if unknown."""
+    cfg = _hf_config(model)
+    if cfg is None:
+        return None
+    try:
+        layers = int(cfg["num_hidden_layers"])
+        heads = int(cfg["num_attention_heads"])
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None
+    if dtype == "auto":
+        dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
+    return 2 * layers * kv_heads * head_dim * _DTYPE_BYTES.get(dtype, 2)
+
+
+def server_args(config: EngineConfig, platform: Platform) -> dict[str, Any]:
+    """SGLang ``Engine(**kwargs)`` arguments for ``config`` on ``platform``."""
+    args: dict[str, Any] = {
+        "model_path": config.model,
+        "tokenizer_path": config.tokenizer or config.model,
+        "dtype": config.dtype,
+        "random_seed": config.seed,
+        "device": platform,
+        "tp_size": config.tensor_parallel_size,
+        "dp_size": config.data_parallel_size,
+        "log_level": "error",
+        "custom_weight_loader": [WEIGHT_LOADER],
+    }
+    if config.max_model_len is not None:
+        args["context_length"] = config.max_model_len
+    if config.max_num_seqs is not None:
+        args["max_running_requests"] = config.max_num_seqs
+    if config.kv_cache_memory_bytes is not None:
+        per_token = kv_bytes_per_token(config.model, config.dtype)
+        if per_token is None:
+            raise InvalidRequest(
+                "kv_cache_memory_bytes",
+                f"cannot size the KV cache of {config.model!r} (no readable config.json); "
+                "pass engine_kwargs={'max_total_tokens': N} instead",
+            )
+        args["max_total_tokens"] = max(config.kv_cache_memory_bytes // per_token, 256)
+    if config.gpu_memory_utilization is not None:
+        args["mem_fraction_static"] = config.gpu_memory_utilization
+    if not config.enable_prefix_caching:
+        args["disable_radix_cache"] = True
+    if config.enforce_eager:
+        args["disable_cuda_graph"] = True
+    if platform == "cpu":
+        args.update(
+            attention_backend="torch_native",
+            sampling_backend="pytorch",
+            disable_cuda_graph=True,
+        )
+        if "max_total_tokens" not in args and "mem_fraction_static" not in args:
+            args["mem_fraction_static"] = CPU_DEFAULT_MEM_FRACTION
+    elif config.enable_memory_release:
+        # without the CPU backup SGLang's resumed weights are garbage (measured on H100)
+        args.update(enable_memory_saver=True, enable_weights_cpu_backup=True)
+    args.update(config.engine_kwargs)
+    loaders = list(args.get("custom_weight_loader") or [])
+    if WEIGHT_LOADER not in loaders:
+        args["custom_weight_loader"] = [*loaders, WEIGHT_LOADER]
+    return args

@@ -1,0 +1,73 @@
+"""Track the processes an engine start creates, so that shutdown can kill exactly those.
+
+SGLang's own ``Engine.shutdown`` kills *every* child of the calling process (and its crash
+handlers kill the caller itself); a trainer's data-loader workers must survive an engine
+shutdown, so rlinfer tracks and reaps only the processes the engine start created.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+#: Python's own helper processes: they belong to the interpreter, not to the engine, serve every
+#: later user of shared memory in this process, and exit with it
+INTERPRETER_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+
+
+def _children() -> list[Any]:
+    import psutil
+
+    return list(psutil.Process(os.getpid()).children(recursive=True))
+
+
+def _is_helper(proc: Any) -> bool:
+    try:
+        cmdline = " ".join(proc.cmdline())
+    except Exception:  # gone already, or not ours to read
+        return False
+    return any(name in cmdline for name in INTERPRETER_HELPERS)
+
+
+def snapshot() -> set[int]:
+    """Pids of this process's descendants now."""
+    return {p.pid for p in _children()}
+
+
+def started_since(before: set[int]) -> list[Any]:
+    """psutil.Process objects of descendants created since ``before`` (interpreter helpers excluded)."""
+    return [p for p in _children() if p.pid not in before and not _is_helper(p)]
+
+
+def alive(procs: list[Any]) -> list[Any]:
+    """Those of ``procs`` still running (psutil checks pid and start time, so reuse is safe)."""
+    out = []
+    for proc in procs:
+        with contextlib.suppress(Exception):
+            if proc.is_running() and proc.status() != "zombie":
+                out.append(proc)
+    return out
+
+
+def kill(procs: list[Any], grace_s: float = 5.0) -> list[int]:
+    """SIGTERM ``procs`` (and their descendants), SIGKILL what is left after ``grace_s``; reap.
+
+    Returns the pids that had to be killed with SIGKILL.
+    """
+    import psutil
+
+    everyone = list(procs)
+    for proc in procs:
+        with contextlib.suppress(Exception):
+            everyone.extend(proc.children(recursive=True))
+    running = alive(everyone)
+    for proc in running:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.terminate()
+    _, still = psutil.wait_procs(running, timeout=grace_s)
+    for proc in still:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    psutil.wait_procs(still, timeout=5.0)
+    return [p.pid for p in still]

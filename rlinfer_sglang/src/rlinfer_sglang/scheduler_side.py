@@ -1,0 +1,143 @@
+"""Code that runs inside SGLang's scheduler process (one per tensor-parallel rank).
+
+SGLang calls :func:`load` as a *custom weight loader* (``ServerArgs.custom_weight_loader``):
+``update_weights_from_tensor(..., load_format="rlinfer_sglang.scheduler_side.load")`` hands it
+the model and the deserialized ``(name, tensor)`` pairs. The first pair is a control record
+(``CONTROL`` -> JSON bytes as a uint8 tensor) saying what to do:
+
+- ``tensors``: the other pairs are the weights (shared memory on CPU, CUDA IPC on GPU).
+- ``buckets``: the other pairs are the core's packed buckets; ``manifests`` describes them.
+- ``disk``: read every tensor of the safetensors directory ``path``.
+- ``join``: join the trainer's torch.distributed group ``group`` (rlinfer_core's own group
+  builder, so both ends build the same group) as rank 1 + tensor-parallel rank.
+- ``broadcast``: receive ``specs`` from rank 0 of group ``group_name``.
+
+Everything is read and checked (finite values) *before* any weight is loaded, so a rejected
+update leaves the old weights in place. SGLang ignores a custom loader's result and treats an
+exception as fatal for the scheduler, so :func:`load` never raises: it writes its outcome as JSON
+to ``result`` + ``.<tp rank>``, which the backend reads after the call.
+"""
+
+from __future__ import annotations
+
+import json
+import traceback
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+CONTROL = "__rlinfer_control__"
+
+#: weight groups this scheduler process joined, by group name
+_GROUPS: dict[str, Any] = {}
+
+
+def encode_control(control: dict[str, Any]) -> tuple[str, torch.Tensor]:
+    """The control record as a (name, uint8 tensor) pair."""
+    import torch
+
+    raw = json.dumps(control).encode()
+    return CONTROL, torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def _decode_control(tensor: torch.Tensor) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(bytes(tensor.cpu().numpy().tobytes()).decode())
+    return data
+
+
+def _tp_rank() -> int:
+    try:
+        from sglang.srt.distributed import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # not initialised (single rank)
+        return 0
+
+
+def _device(model: Any) -> torch.device:
+    import torch
+
+    for param in model.parameters():
+        return param.device
+    return torch.device("cpu")
+
+
+def _check_finite(tensors: list[tuple[str, torch.Tensor]]) -> None:
+    from rlinfer_core.errors import WeightUpdateError
+    from rlinfer_core.transfer.validate import nonfinite_problems
+
+    problems = nonfinite_problems(tensors)
+    if problems:
+        raise WeightUpdateError("weight update rejected", tuple(problems))
+
+
+def _gather(
+    model: Any, control: dict[str, Any], pairs: list[tuple[str, torch.Tensor]]
+) -> list[tuple[str, torch.Tensor]]:
+    op = control["op"]
+    if op == "tensors":
+        return pairs
+    if op == "buckets":
+        from rlinfer_core.transfer.buckets import unpack_all
+        from rlinfer_core.weights import Bucket, BucketManifest, ManifestEntry
+
+        buckets = []
+        for manifest, (_, data) in zip(control["manifests"], pairs, strict=True):
+            entries = tuple(ManifestEntry(**e) for e in manifest["entries"])
+            m = BucketManifest(manifest["dtype"], manifest["nbytes"], entries, manifest["checksum"])
+            buckets.append(Bucket(m, data))
+        return unpack_all(buckets, check=True)
+    if op == "disk":
+        from rlinfer_core.transfer.disk import read_tensors
+
+        tensors = read_tensors(control["path"])
+        _check_finite(tensors)
+        return tensors
+    if op == "broadcast":
+        from rlinfer_core.transfer.broadcast import receive
+        from rlinfer_core.weights import TensorSpec
+
+        pg = _GROUPS.get(control["group_name"])
+        if pg is None:
+            raise RuntimeError(f"no weight group {control['group_name']!r}; call init_weight_broadcast first")
+        specs = [TensorSpec(n, d, tuple(s)) for n, d, s in control["specs"]]
+        tensors = receive(pg, specs, device=_device(model))
+        _check_finite(tensors)
+        return tensors
+    raise ValueError(f"unknown rlinfer weight op {op!r}")
+
+
+def _join(control: dict[str, Any]) -> None:
+    from rlinfer_core.transfer.broadcast import create_group, destroy_group
+    from rlinfer_core.weights import BroadcastGroup
+
+    group = BroadcastGroup(**control["group"])
+    old = _GROUPS.pop(group.group_name, None)
+    if old is not None:
+        destroy_group(old)
+    _GROUPS[group.group_name] = create_group(group, rank=1 + _tp_rank())
+
+
+def load(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """SGLang custom weight loader entry point; never raises (see the module docstring)."""
+    outcome: dict[str, Any] = {"ok": False, "loaded": False, "error": "no control record"}
+    control: dict[str, Any] = {}
+    try:
+        if not named_tensors or named_tensors[0][0] != CONTROL:
+            raise ValueError("the first tensor must be the rlinfer control record")
+        control = _decode_control(named_tensors[0][1])
+        if control["op"] == "join":
+            _join(control)
+        else:
+            tensors = _gather(model, control, list(named_tensors[1:]))
+            outcome["loaded"] = True  # from here on a failure may leave a partial update
+            model.load_weights(tensors)
+        outcome.update(ok=True, error=None)
+    except Exception as exc:  # reported to the caller through the result file
+        outcome["error"] = f"{type(exc).__name__}: {exc}"
+        outcome["traceback"] = traceback.format_exc(limit=8)
+    result = control.get("result")
+    if result:
+        Path(f"{result}.{_tp_rank()}").write_text(json.dumps(outcome))
