@@ -59,7 +59,7 @@ from rlinfer_core.weights import (
 
 from rlinfer_sglang import convert, processes
 from rlinfer_sglang.capabilities import capabilities, installed_platform, installed_version
-from rlinfer_sglang.config import WEIGHT_LOADER, resolve_platform, server_args
+from rlinfer_sglang.config import WEIGHT_LOADER, needs_context_override, resolve_platform, server_args
 
 if TYPE_CHECKING:
     from sglang.srt.entrypoints.engine import Engine
@@ -143,6 +143,9 @@ class SGLangBackend:
             # the scheduler inherits this; without it torch uses every core and, with the
             # caller's own threads, CPU decoding jitters by an order of magnitude
             os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // 2))
+        override = needs_context_override(config) and "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN" not in os.environ
+        if override:
+            os.environ["SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"] = "1"
         future = loop.run_in_executor(None, lambda: Engine(**kwargs))
         try:
             engine = await asyncio.shield(future)
@@ -155,6 +158,8 @@ class SGLangBackend:
         finally:
             if self.platform == "cpu" and env_omp is None:
                 os.environ.pop("OMP_NUM_THREADS", None)
+            if override:
+                os.environ.pop("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", None)
         self._engine = engine
         self._tm = engine.tokenizer_manager
         self._procs = processes.started_since(before)
@@ -212,7 +217,15 @@ class SGLangBackend:
         tok_eos = getattr(tokenizer, "eos_token_id", None)
         if isinstance(tok_eos, int) and tok_eos not in eos:
             eos.append(tok_eos)
-        return ModelInfo(vocab_size=int(mc.vocab_size), max_model_len=int(mc.context_len), eos_token_ids=tuple(eos))
+        # SGLang keeps a few positions of the context in reserve: the longest prompt it accepts is
+        # max_req_input_len (context_len - 6 on 0.5.23). Report the length it really serves.
+        max_len = int(mc.context_len)
+        limit = getattr(self._tm, "max_req_input_len", None)
+        if self.config.max_model_len is not None:
+            max_len = self.config.max_model_len
+        elif isinstance(limit, int) and 0 < limit < max_len:
+            max_len = limit + 1
+        return ModelInfo(vocab_size=int(mc.vocab_size), max_model_len=max_len, eos_token_ids=tuple(eos))
 
     def _weight_specs(self) -> dict[str, TensorSpec]:
         from rlinfer_core.transfer.disk import read_specs
@@ -547,6 +560,8 @@ class SGLangBackend:
                 d, seen = convert.delta(request, index, out, seen)
                 if d is not None:
                     finished = d.finish_reason is not None
+                    if finished and not (out.get("meta_info") or {}).get("finish_reason"):
+                        self._abort_rid(rid)  # rlinfer ended it (stop id under ignore_eos)
                     yield d
             if not finished:
                 yield CompletionDelta(request.request_id, index, (), (), FinishReason.ABORT)

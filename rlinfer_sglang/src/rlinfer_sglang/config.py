@@ -10,7 +10,7 @@ dtype                          dtype ("auto", "float32", "bfloat16", "float16")
 seed                           random_seed
 device                         device ("cpu" / "cuda"; "auto" = the platform found)
 tensor/data_parallel_size      tp_size / dp_size
-max_model_len                  context_length
+max_model_len                  context_length = max_model_len + 5 (SGLang's reserve, below)
 max_num_seqs                   max_running_requests
 kv_cache_memory_bytes          max_total_tokens (bytes / KV bytes per token of the model)
 gpu_memory_utilization         mem_fraction_static
@@ -40,6 +40,11 @@ from rlinfer_sglang.capabilities import Platform
 WEIGHT_LOADER = "rlinfer_sglang.scheduler_side.load"
 
 CPU_DEFAULT_MEM_FRACTION = 0.05
+
+#: SGLang accepts prompts of at most context_length - 6 tokens (it keeps positions in reserve);
+#: rlinfer's max_model_len means "prompt + output <= max_model_len", so SGLang gets this much more
+#: context and rlinfer clips every request's output to max_model_len itself
+CONTEXT_RESERVE = 5
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -82,6 +87,19 @@ def kv_bytes_per_token(model: str, dtype: str) -> int | None:
     return 2 * layers * kv_heads * head_dim * _DTYPE_BYTES.get(dtype, 2)
 
 
+def needs_context_override(config: EngineConfig) -> bool:
+    """True when only SGLang's reserve (not max_model_len) exceeds the model's context length.
+
+    SGLang then needs ``SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1`` at start; the reserved
+    positions are never used because rlinfer clips requests to ``max_model_len``.
+    """
+    if config.max_model_len is None:
+        return False
+    cfg = _hf_config(config.model) or {}
+    limit = cfg.get("max_position_embeddings")
+    return isinstance(limit, int) and config.max_model_len <= limit < config.max_model_len + CONTEXT_RESERVE
+
+
 def server_args(config: EngineConfig, platform: Platform) -> dict[str, Any]:
     """SGLang ``Engine(**kwargs)`` arguments for ``config`` on ``platform``."""
     args: dict[str, Any] = {
@@ -96,7 +114,7 @@ def server_args(config: EngineConfig, platform: Platform) -> dict[str, Any]:
         "custom_weight_loader": [WEIGHT_LOADER],
     }
     if config.max_model_len is not None:
-        args["context_length"] = config.max_model_len
+        args["context_length"] = config.max_model_len + CONTEXT_RESERVE
     if config.max_num_seqs is not None:
         args["max_running_requests"] = config.max_num_seqs
     if config.kv_cache_memory_bytes is not None:

@@ -34,6 +34,22 @@ def sampling_params(request: GenerateRequest, prompt_len: int, max_model_len: in
     return params
 
 
+def stop_cut(request: GenerateRequest, tokens: Sequence[int]) -> int | None:
+    """Length to cut ``tokens`` to when they hold a stop token id that SGLang did not act on.
+
+    SGLang's ``ignore_eos=True`` also disables ``stop_token_ids``; for that combination rlinfer
+    ends the output itself at the first stop id (included) past ``min_tokens``.
+    """
+    s = request.sampling
+    if not (s.ignore_eos and s.stop_token_ids):
+        return None
+    stops = set(s.stop_token_ids)
+    for i, token in enumerate(tokens):
+        if token in stops and i + 1 >= s.min_tokens:
+            return i + 1
+    return None
+
+
 def logprob_args(request: GenerateRequest) -> dict[str, Any]:
     """``async_generate`` keyword arguments for the logprobs ``request`` needs."""
     s = request.sampling
@@ -88,6 +104,10 @@ def completion(
         if prompt_lps:
             prompt_lps = (None, *prompt_lps[1:])
     top = _top(meta.get("output_top_logprobs"))[: len(tokens)] if s.logprobs else None  # type: ignore[index]
+    cut = stop_cut(request, tokens)
+    if cut is not None and (cut < len(tokens) or reason is not FinishReason.ABORT):
+        tokens, logprobs, reason, stop_reason = tokens[:cut], logprobs[:cut], FinishReason.STOP, tokens[cut - 1]
+        top = top[:cut] if top is not None else None
     return Completion(
         request_id=request.request_id,
         index=index,
@@ -126,6 +146,9 @@ def delta(
     tokens = [int(t) for t in out.get("output_ids") or ()]
     logprobs = token_logprobs(meta)
     reason, stop_reason = finish(meta, request)
+    cut = stop_cut(request, tokens)
+    if cut is not None:
+        tokens, logprobs, reason, stop_reason = tokens[:cut], logprobs[:cut], FinishReason.STOP, tokens[cut - 1]
     new_tokens = tokens[seen:]
     if not new_tokens and reason is None:
         return None, seen
