@@ -376,14 +376,21 @@ class SGLangBackend:
     async def _admit(self, request_id: str) -> bool:
         """Wait until requests may start (pause); False when the request was aborted meanwhile."""
         assert self._gate is not None and self._idle is not None
-        if not self._gate.is_set():
-            await self._guard(self._gate.wait())
+        await self._wait_gate([request_id])
         if request_id in self._aborted:
             return False
         self._active += 1
         self._idle.clear()
         self._cache_dirty = True
         return True
+
+    async def _wait_gate(self, request_ids: list[str]) -> None:
+        """Hold requests back while paused; return early once all of them are aborted."""
+        assert self._gate is not None
+        while not self._gate.is_set() and not all(r in self._aborted for r in request_ids):
+            self._alive()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._gate.wait(), timeout=0.05)
 
     def _release(self) -> None:
         assert self._idle is not None
@@ -442,8 +449,7 @@ class SGLangBackend:
 
     async def _admit_all(self, request_ids: list[str]) -> list[bool]:
         assert self._gate is not None and self._idle is not None
-        if not self._gate.is_set():
-            await self._guard(self._gate.wait())
+        await self._wait_gate(request_ids)
         admitted = [rid not in self._aborted for rid in request_ids]
         count = sum(admitted)
         if count:

@@ -70,4 +70,8 @@ def kill(procs: list[Any], grace_s: float = 5.0) -> list[int]:
         with contextlib.suppress(psutil.NoSuchProcess):
             proc.kill()
     psutil.wait_procs(still, timeout=5.0)
+    for proc in everyone:  # reap children that died on their own (e.g. a killed scheduler)
+        with contextlib.suppress(Exception):
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                proc.wait(timeout=1.0)
     return [p.pid for p in still]

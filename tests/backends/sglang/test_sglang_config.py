@@ -1,0 +1,144 @@
+"""The SGLang backend's cheap parts: entry point, describe(), config mapping. No engine starts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from rlinfer_core.discovery import get_backend
+from rlinfer_core.errors import BackendLoadError, InvalidRequest
+from rlinfer_core.types import Capability, EngineConfig
+from rlinfer_sglang.capabilities import capabilities
+from rlinfer_sglang.config import (
+    CONTEXT_RESERVE,
+    WEIGHT_LOADER,
+    kv_bytes_per_token,
+    needs_context_override,
+    resolve_platform,
+    server_args,
+)
+
+
+def test_entry_point_and_describe_import_no_engine() -> None:
+    code = (
+        "import json, sys\n"
+        "from rlinfer_core.discovery import get_backend\n"
+        "caps = get_backend('sglang').describe()\n"
+        "heavy = sorted(m for m in ('sglang', 'torch') if m in sys.modules)\n"
+        "print(json.dumps({'caps': caps.to_dict(), 'heavy': heavy}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["heavy"] == []
+    assert result["caps"]["backend"] == "sglang"
+    assert result["caps"]["engine_version"].startswith("sglang 0.5.")
+
+
+def test_installed_engine_satisfies_declared_requirements() -> None:
+    dist, version = get_backend("sglang").engine_version()
+    assert dist == "sglang"
+    assert version.startswith("0.5.")
+
+
+def test_cpu_capabilities_are_honest() -> None:
+    caps = capabilities("cpu", "sglang 0.5.23")
+    assert not caps.supports(Capability.MEMORY_RELEASE)
+    assert not caps.supports(Capability.SEEDED_SAMPLING)
+    assert "frees nothing" in caps.notes[Capability.MEMORY_RELEASE.value]
+    assert "deterministic" in caps.notes[Capability.SEEDED_SAMPLING.value]
+    missing = {Capability.MEMORY_RELEASE, Capability.SEEDED_SAMPLING}
+    assert {c for c in Capability if c not in missing} <= caps.supported
+    for pause in (Capability.PAUSE_ABORT, Capability.PAUSE_WAIT, Capability.PAUSE_KEEP):
+        assert caps.notes[pause.value], "each pause mode documents its SGLang mapping"
+
+
+def test_cuda_memory_release_depends_on_the_memory_saver() -> None:
+    assert capabilities("cuda", "sglang 0.5.16").supports(Capability.MEMORY_RELEASE)
+    off = capabilities("cuda", "sglang 0.5.16", memory_release=False)
+    assert not off.supports(Capability.MEMORY_RELEASE)
+    assert "enable_memory_release=True" in off.notes[Capability.MEMORY_RELEASE.value]
+
+
+def _model_dir(tmp_path: Path) -> str:
+    config = {
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "hidden_size": 256,
+        "max_position_embeddings": 1024,
+        "torch_dtype": "bfloat16",
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
+def test_server_args_mapping(tmp_path: Path) -> None:
+    model = _model_dir(tmp_path)
+    config = EngineConfig(
+        model=model,
+        dtype="bfloat16",
+        seed=7,
+        max_model_len=256,
+        max_num_seqs=4,
+        kv_cache_memory_bytes=1 << 26,
+        gpu_memory_utilization=0.5,
+        enable_prefix_caching=False,
+        enable_memory_release=True,
+        enforce_eager=True,
+        tensor_parallel_size=2,
+        engine_kwargs={"chunked_prefill_size": 512, "log_level": "info"},
+    )
+    cpu = server_args(config, "cpu")
+    assert cpu["model_path"] == cpu["tokenizer_path"] == model
+    assert (cpu["dtype"], cpu["random_seed"], cpu["device"], cpu["tp_size"]) == ("bfloat16", 7, "cpu", 2)
+    assert cpu["context_length"] == 256 + CONTEXT_RESERVE
+    assert cpu["max_running_requests"] == 4
+    # 2 (K and V) * 2 layers * 2 kv heads * 64 head dim * 2 bytes = 1 KiB per token
+    assert kv_bytes_per_token(model, "bfloat16") == 1024
+    assert cpu["max_total_tokens"] == (1 << 26) // 1024
+    assert cpu["mem_fraction_static"] == 0.5
+    assert cpu["disable_radix_cache"] is True
+    assert (cpu["attention_backend"], cpu["sampling_backend"], cpu["disable_cuda_graph"]) == (
+        "torch_native",
+        "pytorch",
+        True,
+    )
+    assert "enable_memory_saver" not in cpu, "SGLang's memory saver needs CUDA"
+    assert cpu["chunked_prefill_size"] == 512 and cpu["log_level"] == "info", "engine_kwargs win"
+    assert cpu["custom_weight_loader"] == [WEIGHT_LOADER]
+    cuda = server_args(config, "cuda")
+    assert cuda["enable_memory_saver"] is True and cuda["enable_weights_cpu_backup"] is True
+    assert "attention_backend" not in cuda
+    plain = server_args(EngineConfig(model=model), "cpu")
+    assert "context_length" not in plain and "max_total_tokens" not in plain
+    assert plain["mem_fraction_static"] == 0.05
+    assert plain["disable_cuda_graph"] is True
+
+
+def test_engine_kwargs_keep_rlinfers_weight_loader(tmp_path: Path) -> None:
+    args = server_args(EngineConfig(model=_model_dir(tmp_path), engine_kwargs={"custom_weight_loader": ["m.f"]}), "cpu")
+    assert args["custom_weight_loader"] == ["m.f", WEIGHT_LOADER]
+
+
+def test_kv_budget_needs_a_readable_config(tmp_path: Path) -> None:
+    with pytest.raises(InvalidRequest, match="kv_cache_memory_bytes"):
+        server_args(EngineConfig(model=str(tmp_path), kv_cache_memory_bytes=1 << 26), "cpu")
+
+
+def test_context_override_only_for_the_reserve(tmp_path: Path) -> None:
+    model = _model_dir(tmp_path)
+    assert needs_context_override(EngineConfig(model=model, max_model_len=1024))
+    assert needs_context_override(EngineConfig(model=model, max_model_len=1020))
+    assert not needs_context_override(EngineConfig(model=model, max_model_len=512))
+    assert not needs_context_override(EngineConfig(model=model, max_model_len=2048)), "too long: SGLang refuses"
+    assert not needs_context_override(EngineConfig(model=model))
+
+
+def test_platform_resolution() -> None:
+    assert resolve_platform(EngineConfig(model="/m"), "cpu") == "cpu"
+    assert resolve_platform(EngineConfig(model="/m", device="cpu"), "cuda") == "cpu"
+    with pytest.raises(BackendLoadError, match="no NVIDIA GPU"):
+        resolve_platform(EngineConfig(model="/m", device="cuda"), "cpu")

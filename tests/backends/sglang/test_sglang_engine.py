@@ -1,0 +1,171 @@
+"""SGLang-specific behaviour the shared kit does not cover, on one real engine (in file order):
+process tracking, pause(keep) across a weight update, stop ids under ignore_eos, aborting a
+request held by pause(wait), the bench hooks, then engine death and a clean shutdown."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("sglang")
+
+import psutil
+import torch
+from rlinfer_core.engine import Engine
+from rlinfer_core.errors import EngineDead
+from rlinfer_core.tiny_model import make_tiny_model
+from rlinfer_core.types import FinishReason, GenerateRequest, PauseMode, SamplingParams
+
+MAX_LEN = 512
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("sglang-models")
+    return make_tiny_model(root / "a", seed=0), make_tiny_model(root / "b", seed=1)
+
+
+@pytest.fixture(scope="module")
+def sibling() -> Iterator[subprocess.Popen[bytes]]:
+    """A child of the test process that is not the engine's: it must survive everything."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    yield proc
+    proc.kill()
+    proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def engine(models: tuple[Path, Path], sibling: subprocess.Popen[bytes]) -> Iterator[Engine]:
+    eng = Engine.open("sglang", model=str(models[0]), dtype="float32", seed=0, max_model_len=MAX_LEN)
+    yield eng
+    eng.shutdown()
+
+
+def _backend(engine: Engine) -> object:
+    return engine.async_engine._backend
+
+
+def _greedy(prompt: list[int], max_tokens: int, **kw: object) -> GenerateRequest:
+    return GenerateRequest(
+        prompt_token_ids=prompt, sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+    )
+
+
+def _hf_greedy(model_dir: Path, prompt: list[int], n: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return [int(t) for t in out[0, len(prompt) :]]
+
+
+def test_engine_processes_are_tracked(engine: Engine) -> None:
+    pids = _backend(engine).engine_processes()  # type: ignore[attr-defined]
+    names = sorted(psutil.Process(p).name() for p in pids)
+    assert names == ["sglang::detokenizer", "sglang::scheduler"]
+
+
+def test_pause_keep_survives_a_weight_update(engine: Engine, models: tuple[Path, Path]) -> None:
+    long = [_greedy([1, 20 + i], MAX_LEN - 8, ignore_eos=True) for i in range(2)]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(engine.generate, long)
+        time.sleep(0.3)
+        engine.pause(PauseMode.KEEP)
+        try:
+            assert not future.done()
+            from transformers import AutoModelForCausalLM
+
+            new = AutoModelForCausalLM.from_pretrained(str(models[1]), dtype=torch.float32)
+            version = engine.update_weights(dict(new.named_parameters()))
+            time.sleep(0.3)
+            assert not future.done(), "paused requests stay frozen across the update"
+        finally:
+            engine.resume()
+        completions = future.result(timeout=120)
+    assert version == engine.weight_version == 1
+    assert all(c.finish_reason is FinishReason.LENGTH and len(c.token_ids) == MAX_LEN - 8 for c in completions)
+    prompt = [1, 5, 6, 7]
+    (c,) = engine.generate(_greedy(prompt, 12, ignore_eos=True))
+    assert list(c.token_ids) == _hf_greedy(models[1], prompt, 12), "greedy == HF argmax of the new weights"
+    assert c.weight_version == 1
+
+
+def test_stop_id_under_ignore_eos_batch_and_stream(engine: Engine) -> None:
+    (full,) = engine.generate(_greedy([1, 9, 10], 16, ignore_eos=True))
+    tokens = list(full.token_ids)
+    k = next(i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i])
+    request = _greedy([1, 9, 10], 16, ignore_eos=True, stop_token_ids=(tokens[k],))
+    (stopped,) = engine.generate(request)
+    assert list(stopped.token_ids) == tokens[: k + 1]
+    assert (stopped.finish_reason, stopped.stop_reason) == (FinishReason.STOP, tokens[k])
+    deltas = list(engine.stream(request))
+    assert [t for d in deltas for t in d.token_ids] == tokens[: k + 1]
+    assert deltas[-1].finish_reason is FinishReason.STOP
+
+
+def test_abort_a_request_held_by_pause_wait(engine: Engine) -> None:
+    engine.pause(PauseMode.WAIT)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        try:
+            request = _greedy([1, 30], 50)
+            future = pool.submit(engine.generate, [request])
+            time.sleep(0.5)
+            assert not future.done(), "pause(wait) holds new requests back"
+            engine.abort([request.request_id])
+            (c,) = future.result(timeout=30)
+        finally:
+            engine.resume()
+    assert c.finish_reason is FinishReason.ABORT and c.token_ids == ()
+    assert len(engine.generate(_greedy([1, 30], 4))[0].token_ids) == 4, "the request id is usable again"
+
+
+def test_bench_hooks(engine: Engine, models: tuple[Path, Path]) -> None:
+    requests = [_greedy([1, 40 + i], 8, ignore_eos=True) for i in range(4)]
+    assert engine._run(engine.async_engine.bench_raw_generate(requests)) == 32
+    engine._run(engine.async_engine.bench_raw_weight_update(str(models[0])))
+    prompt = [1, 5, 6, 7]
+    (c,) = engine.generate(_greedy(prompt, 8, ignore_eos=True))
+    assert list(c.token_ids) == _hf_greedy(models[0], prompt, 8)
+
+
+def test_scheduler_death_raises_engine_dead(engine: Engine, sibling: subprocess.Popen[bytes]) -> None:
+    backend = _backend(engine)
+    scheduler = next(p for p in backend.engine_processes() if psutil.Process(p).name() == "sglang::scheduler")  # type: ignore[attr-defined]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(engine.generate, [_greedy([1, 50], MAX_LEN - 8, ignore_eos=True)])
+        time.sleep(0.3)
+        killed = time.monotonic()
+        os.kill(scheduler, signal.SIGKILL)
+        with pytest.raises(EngineDead):
+            future.result(timeout=30)
+        assert time.monotonic() - killed < 5.0, "death is noticed within seconds"
+    with pytest.raises(EngineDead):
+        engine.check_health()
+    with pytest.raises(EngineDead):
+        engine.generate(_greedy([1, 2], 2))
+    deadline = time.monotonic() + 10
+    while backend.engine_processes() and time.monotonic() < deadline:  # type: ignore[attr-defined]
+        time.sleep(0.2)
+    assert backend.engine_processes() == [], "the rest of the engine is killed: no orphans"  # type: ignore[attr-defined]
+    assert sibling.poll() is None, "the caller and its other children survive"
+
+
+def test_shutdown_leaves_no_child_processes(engine: Engine, sibling: subprocess.Popen[bytes]) -> None:
+    all_pids = _backend(engine).all_engine_processes()  # type: ignore[attr-defined]
+    engine.shutdown()
+    engine.shutdown()  # idempotent
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in all_pids)
+    children = [p for p in psutil.Process().children(recursive=True) if p.pid != sibling.pid]
+    left = [
+        p.pid for p in children if p.status() == psutil.STATUS_ZOMBIE or "resource_tracker" not in " ".join(p.cmdline())
+    ]
+    assert left == []
+    assert sibling.poll() is None, "shutdown kills only the engine's processes"
