@@ -13,7 +13,9 @@ host copy of the checkpoint (HF names, engine dtype) - the *shadow* - and:
 
 - a full update is loaded as given; a partial one is merged into the shadow first;
 - the shadow is committed only after the engine loaded the update;
-- if loading fails, the shadow (the old weights) is loaded back before the error is raised.
+- names, shapes and dtypes are checked against the shadow before vLLM is touched;
+- if loading still fails inside vLLM, its layer-wise reload state is unwound and the shadow (the
+  old weights) is loaded back before the error is raised.
 
 Its cost is one host-memory copy of the weights per worker.
 """
@@ -124,22 +126,61 @@ class RLInferWorkerExtension:
 
     def _rlinfer_apply(self, tensors: Sequence[Pair]) -> int:
         """Load ``tensors`` all-or-nothing; return how many were loaded."""
-        self._rlinfer_sync_shadow()
         shadow = self._rlinfer_shadow
         given = dict(tensors)
-        if len(given) == len(shadow) and given.keys() == shadow.keys():
-            items: Iterable[Pair] = given.items()
+        self._rlinfer_check(tensors)
+        full = len(given) == len(shadow)
+        if full:
+            items: list[Pair] = list(given.items())
         else:
-            items = ((name, given.get(name, old)) for name, old in shadow.items())
+            self._rlinfer_sync_shadow()
+            items = [(name, given.get(name, old)) for name, old in shadow.items()]
         try:
-            self.reload_weights(weights_iterator=iter(list(items)))  # type: ignore[attr-defined]
+            self.reload_weights(weights_iterator=iter(items))  # type: ignore[attr-defined]
         except BaseException:
-            # put the previous weights back before reporting the failure
-            self.reload_weights(weights_iterator=iter(list(shadow.items())))  # type: ignore[attr-defined]
+            self._rlinfer_restore()
             raise
         for name, tensor in given.items():
             shadow[name].copy_(tensor)
+        if full:
+            self._rlinfer_shadow_dir = None  # every entry was just overwritten
         return len(given)
+
+    def _rlinfer_check(self, tensors: Sequence[Pair]) -> None:
+        """Names, shapes and dtypes against the shadow, before anything is loaded.
+
+        The facade checked them already; this keeps the worker safe on its own, because a load
+        that fails halfway leaves vLLM's layers half-rebuilt.
+        """
+        from rlinfer_core.errors import WeightUpdateError
+
+        shadow = self._rlinfer_shadow
+        problems = []
+        seen: set[str] = set()
+        for name, tensor in tensors:
+            old = shadow.get(name)
+            if name in seen:
+                problems.append(f"{name}: duplicate name in one update")
+            elif old is None:
+                problems.append(f"{name}: unknown parameter name")
+            elif tuple(tensor.shape) != tuple(old.shape) or tensor.dtype != old.dtype:
+                problems.append(
+                    f"{name}: {tensor.dtype} {tuple(tensor.shape)} != expected {old.dtype} {tuple(old.shape)}"
+                )
+            seen.add(name)
+        if problems:
+            raise WeightUpdateError("weight update rejected by the vLLM worker", tuple(problems))
+
+    def _rlinfer_restore(self) -> None:
+        """After a load failed inside vLLM: unwind its layer-wise reload state, then reload the
+        shadow (the weights served before the failed update)."""
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+        # finalize puts untouched layers' kernel tensors back and resets the per-layer state, so
+        # that the next reload starts clean instead of skipping half-initialised layers
+        finalize_layerwise_reload(self.model_runner.get_model(), self.vllm_config.model_config)
+        self._rlinfer_sync_shadow()
+        self.reload_weights(weights_iterator=iter(list(self._rlinfer_shadow.items())))  # type: ignore[attr-defined]
 
     def _rlinfer_sync_shadow(self) -> None:
         """After a raw vLLM reload from disk, refresh the shadow from that directory."""
