@@ -22,6 +22,7 @@ import asyncio
 import atexit
 import contextlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -66,6 +67,8 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+logger = logging.getLogger(__name__)
+
 #: how often the monitor checks that the engine's processes are alive
 MONITOR_INTERVAL_S = 0.5
 
@@ -73,6 +76,15 @@ MONITOR_INTERVAL_S = 0.5
 def create(config: EngineConfig) -> SGLangBackend:
     """Factory named by the ``rlinfer.backends: sglang`` entry point."""
     return SGLangBackend(config)
+
+
+def _on_sigquit(signum: int, frame: Any) -> None:
+    """SIGQUIT from a failing SGLang child: SGLang's own handler would kill this whole process.
+
+    Module-level (SGLang pickles its server args, handler included, into the scheduler). The
+    failing child exits right after; each backend's monitor then turns that into EngineDead.
+    """
+    logger.error("an SGLang process reported a failure (SIGQUIT); its engine will report EngineDead")
 
 
 def _ensure_cpu_env(platform: str) -> None:
@@ -109,6 +121,8 @@ class SGLangBackend:
         self._idle: asyncio.Event | None = None  # set = no sample in flight
         self._active = 0
         self._sglang_paused = False
+        self._memory_paused = False  # SGLang paused by release_memory (it needs an idle scheduler)
+        self._released: set[MemoryTag] = set()
         self._cache_dirty = True
         self._result_dir = Path(tempfile.mkdtemp(prefix="rlinfer-sglang-"))
         self._signals: dict[int, Any] = {}
@@ -136,7 +150,7 @@ class SGLangBackend:
         if main_thread:
             self._signals = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGQUIT)}
             # a child failing during launch sends SIGQUIT; SGLang's default handler kills us
-            kwargs.setdefault("custom_sigquit_handler", self._on_sigquit)
+            kwargs.setdefault("custom_sigquit_handler", _on_sigquit)
         before = processes.snapshot()
         env_omp = os.environ.get("OMP_NUM_THREADS")
         if self.platform == "cpu" and env_omp is None:
@@ -187,10 +201,7 @@ class SGLangBackend:
                 with contextlib.suppress(Exception):
                     signal.signal(sig, self._signals[sig])
             with contextlib.suppress(Exception):
-                loop.add_signal_handler(signal.SIGQUIT, self._mark_dead, "an SGLang process reported a failure")
-
-    def _on_sigquit(self, signum: int, frame: Any) -> None:
-        self._mark_dead("an SGLang process reported a failure (SIGQUIT)")
+                loop.add_signal_handler(signal.SIGQUIT, _on_sigquit, signal.SIGQUIT, None)
 
     def _mark_dead(self, reason: str) -> None:
         if self._dead is None:
@@ -742,7 +753,7 @@ class SGLangBackend:
         if (await self._guard(tm.flush_cache())).success:
             self._cache_dirty = False
             return
-        if self._sglang_paused:
+        if self._sglang_paused or self._memory_paused:
             raise RLInferError("SGLang refused to flush its cache while paused")
         await self._guard(tm.pause_generation(PauseGenerationReqInput(mode="retract")))
         try:
@@ -757,31 +768,43 @@ class SGLangBackend:
 
     @hookimpl
     async def rlinfer_release_memory(self, tags: frozenset[MemoryTag]) -> None:
-        """GPU: SGLang's memory saver. CPU: UnsupportedCapability (SGLang frees nothing there)."""
-        from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput
+        """GPU: SGLang's memory saver. CPU: UnsupportedCapability (SGLang frees nothing there).
+
+        SGLang requires an idle scheduler: in-flight requests are aborted and SGLang stays
+        paused (new requests wait) until every released tag is resumed.
+        """
+        from sglang.srt.managers.io_struct import PauseGenerationReqInput, ReleaseMemoryOccupationReqInput
 
         self._caps.require(Capability.MEMORY_RELEASE)
         tm = self._alive()
         await self.rlinfer_abort(None)
+        if not self._sglang_paused and not self._memory_paused:
+            await self._guard(tm.pause_generation(PauseGenerationReqInput(mode="abort")))
+            self._memory_paused = True
         assert self._idle is not None
         await self._guard(self._idle.wait())
         await self._guard(
             tm.release_memory_occupation(ReleaseMemoryOccupationReqInput(tags=sorted(t.value for t in tags)), None)
         )
+        self._released |= tags
 
     @hookimpl
     async def rlinfer_resume_memory(self, tags: frozenset[MemoryTag]) -> None:
         """GPU: re-allocate what release freed (weights come back from the host backup)."""
-        from sglang.srt.managers.io_struct import ResumeMemoryOccupationReqInput
+        from sglang.srt.managers.io_struct import ContinueGenerationReqInput, ResumeMemoryOccupationReqInput
 
         self._caps.require(Capability.MEMORY_RELEASE)
         tm = self._alive()
         await self._guard(
             tm.resume_memory_occupation(ResumeMemoryOccupationReqInput(tags=sorted(t.value for t in tags)), None)
         )
+        self._released -= tags
         if MemoryTag.KV_CACHE in tags:
             self._cache_dirty = True
             await self.rlinfer_reset_prefix_cache()
+        if self._memory_paused and not self._released:
+            await self._guard(tm.continue_generation(ContinueGenerationReqInput()))
+            self._memory_paused = False
 
     # --- benchmarking --------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ INTERPRETER_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.fork
 
 
 def _children() -> list[Any]:
-    import psutil
+    import psutil  # type: ignore[import-untyped]
 
     return list(psutil.Process(os.getpid()).children(recursive=True))
 
@@ -55,7 +55,7 @@ def kill(procs: list[Any], grace_s: float = 5.0) -> list[int]:
 
     Returns the pids that had to be killed with SIGKILL.
     """
-    import psutil
+    import psutil  # type: ignore[import-untyped]
 
     everyone = list(procs)
     for proc in procs:

@@ -60,7 +60,7 @@ def _device(model: Any) -> torch.device:
     import torch
 
     for param in model.parameters():
-        return param.device
+        return torch.device(param.device)
     return torch.device("cpu")
 
 
