@@ -132,7 +132,7 @@ class VllmBackend:
         from vllm.platforms import current_platform
 
         device = str(current_platform.device_type)
-        if device not in (self.platform, "cuda" if self.platform == "cuda" else "cpu"):
+        if device != self.platform:
             raise BackendLoadError(f"vLLM runs on {device!r}, expected {self.platform!r}")
         caps = self._caps
         tokenizer = llm.tokenizer
