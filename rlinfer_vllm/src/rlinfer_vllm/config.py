@@ -18,6 +18,10 @@ WORKER_EXTENSION = "rlinfer_vllm.worker.RLInferWorkerExtension"
 #: vLLM logprobs of the sampled token under the sampling distribution (temperature, top-k/p)
 LOGPROBS_MODE = "processed_logprobs"
 
+#: KV-cache budget on CPU when the config sets neither kv_cache_memory_bytes nor
+#: gpu_memory_utilization
+CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
+
 #: engine_kwargs that would break the contract if overridden
 PROTECTED = ("logprobs_mode", "worker_extension_cls")
 
@@ -64,11 +68,17 @@ def engine_args(config: EngineConfig, platform: Platform) -> dict[str, Any]:
         # sleep mode is a CUDA feature; vLLM refuses it on CPU
         "enable_sleep_mode": platform == "cuda" and config.enable_memory_release,
     }
+    kv_bytes = config.kv_cache_memory_bytes
+    if platform == "cpu" and kv_bytes is None and config.gpu_memory_utilization is None:
+        # vLLM's CPU default reserves 92% of the host's memory and refuses to start when other
+        # processes hold more than 8% of it; a fixed KV budget is the predictable choice
+        kv_bytes = CPU_DEFAULT_KV_CACHE_BYTES
     optional = {
         "max_model_len": config.max_model_len,
         "max_num_seqs": config.max_num_seqs,
-        "kv_cache_memory_bytes": config.kv_cache_memory_bytes,
-        "gpu_memory_utilization": config.gpu_memory_utilization if platform == "cuda" else None,
+        "kv_cache_memory_bytes": kv_bytes,
+        # on CPU vLLM reads it as the fraction of host memory to reserve
+        "gpu_memory_utilization": config.gpu_memory_utilization,
     }
     kwargs.update({k: v for k, v in optional.items() if v is not None})
     kwargs.update(config.engine_kwargs)

@@ -11,7 +11,13 @@ from rlinfer_core.discovery import get_backend
 from rlinfer_core.errors import BackendLoadError
 from rlinfer_core.types import Capability, EngineConfig
 from rlinfer_vllm.capabilities import capabilities
-from rlinfer_vllm.config import LOGPROBS_MODE, WORKER_EXTENSION, engine_args, resolve_platform
+from rlinfer_vllm.config import (
+    CPU_DEFAULT_KV_CACHE_BYTES,
+    LOGPROBS_MODE,
+    WORKER_EXTENSION,
+    engine_args,
+    resolve_platform,
+)
 
 
 def test_entry_point_and_describe_import_no_engine() -> None:
@@ -72,12 +78,16 @@ def test_engine_args_mapping() -> None:
     assert cpu["logprobs_mode"] == LOGPROBS_MODE == "processed_logprobs"
     assert cpu["worker_extension_cls"] == WORKER_EXTENSION
     assert cpu["enable_sleep_mode"] is False, "vLLM refuses sleep mode on CPU"
-    assert "gpu_memory_utilization" not in cpu
+    assert cpu["gpu_memory_utilization"] == 0.5, "on CPU vLLM reads it as the host-memory fraction"
     assert cpu["max_num_batched_tokens"] == 1024 and cpu["enforce_eager"] is False, "engine_kwargs win"
     cuda = engine_args(config, "cuda")
     assert cuda["enable_sleep_mode"] is True
     assert cuda["gpu_memory_utilization"] == 0.5
-    assert "max_model_len" not in engine_args(EngineConfig(model="/m"), "cpu")
+    plain = engine_args(EngineConfig(model="/m"), "cpu")
+    assert "max_model_len" not in plain
+    assert plain["kv_cache_memory_bytes"] == CPU_DEFAULT_KV_CACHE_BYTES, "vLLM's CPU default reserves 92% of RAM"
+    assert "kv_cache_memory_bytes" not in engine_args(EngineConfig(model="/m"), "cuda")
+    assert "kv_cache_memory_bytes" not in engine_args(EngineConfig(model="/m", gpu_memory_utilization=0.3), "cpu")
 
 
 @pytest.mark.parametrize("key", ["logprobs_mode", "worker_extension_cls"])
