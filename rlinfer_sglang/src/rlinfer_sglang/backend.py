@@ -241,12 +241,15 @@ class SGLangBackend:
     def _weight_specs(self) -> dict[str, TensorSpec]:
         from rlinfer_core.transfer.disk import read_specs
 
-        dtype = str(self._tm.model_config.dtype).removeprefix("torch.")
+        # SGLang casts what it loads to the served dtype. With dtype="auto" (where SGLang may serve
+        # a float32 checkpoint in float16) the checkpoint's own dtypes are what a trainer holds and
+        # what a checkpoint directory contains; with an explicit dtype, that dtype.
+        served = None if self.config.dtype == "auto" else str(self._tm.model_config.dtype).removeprefix("torch.")
         try:
             found = read_specs(self._model_dir())
         except RLInferError as exc:
             raise BackendLoadError(f"cannot read the parameter names of {self.config.model!r}: {exc}") from exc
-        return {name: TensorSpec(name, dtype, spec.shape) for name, spec in found.items()}
+        return {name: TensorSpec(name, served or spec.dtype, spec.shape) for name, spec in found.items()}
 
     def _model_dir(self) -> str:
         if Path(self.config.model).is_dir():

@@ -12,10 +12,13 @@ the model and the deserialized ``(name, tensor)`` pairs. The first pair is a con
   builder, so both ends build the same group) as rank 1 + tensor-parallel rank.
 - ``broadcast``: receive ``specs`` from rank 0 of group ``group_name``.
 
-Everything is read and checked (finite values) *before* any weight is loaded, so a rejected
-update leaves the old weights in place. SGLang ignores a custom loader's result and treats an
-exception as fatal for the scheduler, so :func:`load` never raises: it writes its outcome as JSON
-to ``result`` + ``.<tp rank>``, which the backend reads after the call.
+Everything is read *before* any weight is loaded, and broadcast tensors (which the caller's
+facade cannot see) are checked for finite values first, so a rejected update leaves the old
+weights in place; the facade validated the other transports before they were sent.
+
+SGLang ignores a custom loader's result and treats an exception as fatal for the scheduler, so
+:func:`load` never raises: it writes its outcome as JSON to ``result`` + ``.<tp rank>``, which
+the backend reads after the call.
 """
 
 from __future__ import annotations
@@ -88,13 +91,11 @@ def _gather(
             entries = tuple(ManifestEntry(**e) for e in manifest["entries"])
             m = BucketManifest(manifest["dtype"], manifest["nbytes"], entries, manifest["checksum"])
             buckets.append(Bucket(m, data))
-        return unpack_all(buckets, check=True)
+        return unpack_all(buckets, check=False)  # the caller's facade verified them before sending
     if op == "disk":
         from rlinfer_core.transfer.disk import read_tensors
 
-        tensors = read_tensors(control["path"])
-        _check_finite(tensors)
-        return tensors
+        return read_tensors(control["path"])  # the caller's facade checked this directory
     if op == "broadcast":
         from rlinfer_core.transfer.broadcast import receive
         from rlinfer_core.weights import TensorSpec
