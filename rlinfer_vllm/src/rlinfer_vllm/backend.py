@@ -280,14 +280,17 @@ class VllmBackend:
             self._inflight.discard(request.request_id)
 
     def _translate(self, exc: Exception) -> Exception:
-        from vllm.exceptions import VLLMClientError
+        import vllm.exceptions
         from vllm.v1.engine.exceptions import EngineDeadError
+
+        # VLLMClientError exists from vLLM 0.27; VLLMValidationError is a ValueError before
+        client_errors = (ValueError, getattr(vllm.exceptions, "VLLMClientError", ValueError))
 
         if isinstance(exc, RLInferError):
             return exc
         if isinstance(exc, EngineDeadError) or (self._llm is not None and self._llm.errored):
             return EngineDead(f"the vLLM engine core died: {exc}; open a new engine")
-        if isinstance(exc, VLLMClientError | ValueError):
+        if isinstance(exc, client_errors):
             return InvalidRequest("request", f"vLLM rejected it: {exc}")
         return exc
 
@@ -374,17 +377,21 @@ class VllmBackend:
         """GPU: vLLM sleep mode. CPU: UnsupportedCapability (vLLM frees nothing there)."""
         self._caps.require(Capability.MEMORY_RELEASE)
         llm = self._alive()
-        if MemoryTag.KV_CACHE in tags and MemoryTag.KV_CACHE in self._implicitly_asleep:
-            self._implicitly_asleep.discard(MemoryTag.KV_CACHE)
-            tags = tags - {MemoryTag.KV_CACHE}
-        if MemoryTag.WEIGHTS in tags:
-            # level 1 offloads weights to host memory and discards the KV cache with them
+        # a tag already released along with the other one: now the caller owns it
+        for tag in tags & self._implicitly_asleep:
+            self._implicitly_asleep.discard(tag)
+            tags = tags - {tag}
+        kv_only = getattr(llm, "release_kv_cache_memory", None)  # vLLM >= 0.32
+        if MemoryTag.WEIGHTS in tags or (MemoryTag.KV_CACHE in tags and kv_only is None):
+            # level 1 offloads weights to host memory and discards the KV cache: whatever of the
+            # two was not asked for is woken up again with the tags that were
             await llm.sleep(level=1, mode="abort")
-            self._implicitly_asleep |= {MemoryTag.KV_CACHE} - tags - self._asleep
-            self._asleep |= {MemoryTag.WEIGHTS, MemoryTag.KV_CACHE}
-        elif MemoryTag.KV_CACHE in tags:
+            both = {MemoryTag.WEIGHTS, MemoryTag.KV_CACHE}
+            self._implicitly_asleep |= both - tags - self._asleep
+            self._asleep |= both
+        elif MemoryTag.KV_CACHE in tags and kv_only is not None:
             await llm.pause_generation(mode="abort")
-            await llm.release_kv_cache_memory()
+            await kv_only()
             self._asleep.add(MemoryTag.KV_CACHE)
 
     @hookimpl
@@ -392,7 +399,7 @@ class VllmBackend:
         """GPU: vLLM wake_up for ``tags`` (and the KV cache released along with the weights)."""
         self._caps.require(Capability.MEMORY_RELEASE)
         llm = self._alive()
-        wake = (set(tags) | (self._implicitly_asleep if MemoryTag.WEIGHTS in tags else set())) & self._asleep
+        wake = (set(tags) | self._implicitly_asleep) & self._asleep
         if not wake:
             return
         await llm.wake_up(tags=sorted(t.value for t in wake))
