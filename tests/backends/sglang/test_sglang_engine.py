@@ -25,6 +25,8 @@ from rlinfer_core.tiny_model import make_tiny_model
 from rlinfer_core.types import FinishReason, GenerateRequest, PauseMode, SamplingParams
 
 MAX_LEN = 512
+#: children of the test process before the engine started (other engines of the session, ...)
+BEFORE: set[int] = set()
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +46,7 @@ def sibling() -> Iterator[subprocess.Popen[bytes]]:
 
 @pytest.fixture(scope="module")
 def engine(models: tuple[Path, Path], sibling: subprocess.Popen[bytes]) -> Iterator[Engine]:
+    BEFORE.update(p.pid for p in psutil.Process().children(recursive=True))
     eng = Engine.open("sglang", model=str(models[0]), dtype="float32", seed=0, max_model_len=MAX_LEN)
     yield eng
     eng.shutdown()
@@ -163,7 +166,7 @@ def test_shutdown_leaves_no_child_processes(engine: Engine, sibling: subprocess.
     engine.shutdown()
     engine.shutdown()  # idempotent
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in all_pids)
-    children = [p for p in psutil.Process().children(recursive=True) if p.pid != sibling.pid]
+    children = [p for p in psutil.Process().children(recursive=True) if p.pid not in BEFORE]
     left = [
         p.pid for p in children if p.status() == psutil.STATUS_ZOMBIE or "resource_tracker" not in " ".join(p.cmdline())
     ]
