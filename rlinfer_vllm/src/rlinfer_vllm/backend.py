@@ -53,6 +53,10 @@ if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
 
+#: how long abort() keeps re-aborting requests that were not registered in vLLM yet
+ABORT_SETTLE_S = 2.0
+
+
 def create(config: EngineConfig) -> VllmBackend:
     """Factory named by the ``rlinfer.backends: vllm`` entry point."""
     return VllmBackend(config)
@@ -269,6 +273,8 @@ class VllmBackend:
         self._inflight.add(request.request_id)
         try:
             async for out in llm.generate(tokens_input(ids), params, request.request_id):
+                if out.finished:  # ended in the engine; the consumer may read it later
+                    self._inflight.discard(request.request_id)
                 for o in out.outputs:
                     finished = o.finish_reason is not None
                     if o.token_ids or finished:
@@ -299,8 +305,18 @@ class VllmBackend:
         """Abort requests (None: every request in flight); their callers get "abort"."""
         llm = self._alive()
         ids = list(self._inflight) if request_ids is None else list(request_ids)
-        if ids:
-            await llm.abort(ids)
+        if not ids:
+            return
+        await llm.abort(ids)
+        # A request whose generate() began but that vLLM has not registered yet ignores the
+        # abort; abort again until every one of them has ended (bounded).
+        deadline = time.monotonic() + ABORT_SETTLE_S
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+            left = [i for i in ids if i in self._inflight]
+            if not left:
+                return
+            await llm.abort(left)
 
     @hookimpl
     async def rlinfer_pause(self, mode: PauseMode) -> None:
