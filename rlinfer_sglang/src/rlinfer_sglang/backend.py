@@ -87,6 +87,47 @@ def _on_sigquit(signum: int, frame: Any) -> None:
     logger.error("an SGLang process reported a failure (SIGQUIT); its engine will report EngineDead")
 
 
+#: engines that rely on SIGQUIT being ignored at the libc level (see _guard_sigquit)
+_SIGQUIT_IGNORERS = 0
+
+
+def _libc_sigquit(action: int) -> None:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.signal.restype = ctypes.c_void_p
+    libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    libc.signal(int(signal.SIGQUIT), action)
+
+
+def _guard_sigquit(main_thread: bool) -> str:
+    """Keep SGLang's SIGQUIT from killing this process; returns how ("handler", "ignored", "").
+
+    On the main thread a Python handler is installed. Elsewhere Python cannot install one, so
+    when SIGQUIT still has its default action (terminate + core) it is ignored through libc
+    (process-wide) while an engine runs; a handler the program installed itself is left alone.
+    """
+    global _SIGQUIT_IGNORERS
+    if main_thread:
+        signal.signal(signal.SIGQUIT, _on_sigquit)
+        return "handler"
+    if _SIGQUIT_IGNORERS == 0 and signal.getsignal(signal.SIGQUIT) is not signal.SIG_DFL:
+        return ""
+    if _SIGQUIT_IGNORERS == 0:
+        _libc_sigquit(1)  # SIG_IGN
+    _SIGQUIT_IGNORERS += 1
+    return "ignored"
+
+
+def _unguard_sigquit(kind: str) -> None:
+    """Undo :func:`_guard_sigquit` for an engine that shut down."""
+    global _SIGQUIT_IGNORERS
+    if kind == "ignored":
+        _SIGQUIT_IGNORERS -= 1
+        if _SIGQUIT_IGNORERS == 0:
+            _libc_sigquit(0)  # SIG_DFL
+
+
 def _ensure_cpu_env(platform: str) -> None:
     # SGLang reads SGLANG_USE_CPU_ENGINE when its modules are imported; it must be set first.
     if platform == "cpu":
@@ -126,6 +167,7 @@ class SGLangBackend:
         self._cache_dirty = True
         self._result_dir = Path(tempfile.mkdtemp(prefix="rlinfer-sglang-"))
         self._signals: dict[int, Any] = {}
+        self._quit_guard = ""
         self.start_seconds: float | None = None
 
     # --- lifecycle -----------------------------------------------------------------------------
@@ -149,8 +191,10 @@ class SGLangBackend:
         main_thread = threading.current_thread() is threading.main_thread()
         if main_thread:
             self._signals = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGQUIT)}
-            # a child failing during launch sends SIGQUIT; SGLang's default handler kills us
-            kwargs.setdefault("custom_sigquit_handler", _on_sigquit)
+        # A child failing (at launch or later) sends SIGQUIT to this process; with SGLang's
+        # handler, or none, that kills the caller. The engine starts in a worker thread, where
+        # SGLang installs no handler, so rlinfer takes SIGQUIT over first.
+        self._quit_guard = _guard_sigquit(main_thread)
         before = processes.snapshot()
         env_omp = os.environ.get("OMP_NUM_THREADS")
         if self.platform == "cpu" and env_omp is None:
@@ -168,6 +212,7 @@ class SGLangBackend:
             raise
         except Exception as exc:
             processes.kill(processes.started_since(before), grace_s=2.0)
+            self._restore_signals()
             raise BackendLoadError(f"SGLang failed to start for model {config.model!r}: {exc}") from exc
         finally:
             if self.platform == "cpu" and env_omp is None:
@@ -198,8 +243,8 @@ class SGLangBackend:
             for sig in (signal.SIGTERM, signal.SIGQUIT):
                 with contextlib.suppress(Exception):
                     loop.remove_signal_handler(sig)
-                with contextlib.suppress(Exception):
-                    signal.signal(sig, self._signals[sig])
+            with contextlib.suppress(Exception):
+                signal.signal(signal.SIGTERM, self._signals[signal.SIGTERM])
             with contextlib.suppress(Exception):
                 loop.add_signal_handler(signal.SIGQUIT, _on_sigquit, signal.SIGQUIT, None)
 
@@ -340,6 +385,17 @@ class SGLangBackend:
                 engine.send_to_rpc.close(linger=0)
             atexit.unregister(self._kill_now)
         shutil.rmtree(self._result_dir, ignore_errors=True)
+        self._restore_signals()
+
+    def _restore_signals(self) -> None:
+        if self._quit_guard == "handler" and threading.current_thread() is threading.main_thread():
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_signal_handler(signal.SIGQUIT)
+            with contextlib.suppress(Exception):
+                signal.signal(signal.SIGQUIT, self._signals[signal.SIGQUIT])
+        else:
+            _unguard_sigquit(self._quit_guard)
+        self._quit_guard = ""
 
     def _kill_now(self) -> None:
         processes.kill(self._procs, grace_s=3.0)
