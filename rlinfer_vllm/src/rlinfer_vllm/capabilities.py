@@ -47,8 +47,10 @@ MEMORY_RELEASE_OFF_NOTE = (
 
 def installed_engine() -> tuple[str, str] | None:
     """(distribution, version) of the installed vLLM build, or None."""
+    from packaging.requirements import Requirement
+
     for requirement in ENGINE_REQUIREMENTS:
-        dist = requirement.split(">", 1)[0].split("=", 1)[0].split("<", 1)[0].strip()
+        dist = Requirement(requirement).name
         try:
             return dist, md.version(dist)
         except md.PackageNotFoundError:
