@@ -20,7 +20,7 @@ $(VENVS)/core/.built: envs/build_env.sh envs/core.txt envs/constraints-cpu.txt
 	PYTHON=$(PYTHON) bash envs/build_env.sh core
 $(VENVS)/vllm/.built: envs/build_env.sh envs/vllm-cpu.txt envs/constraints-cpu.txt
 	PYTHON=$(PYTHON) bash envs/build_env.sh vllm
-$(VENVS)/sglang/.built: envs/build_env.sh envs/sglang-cpu.txt envs/constraints-cpu.txt $(wildcard envs/cpu_support/**/*)
+$(VENVS)/sglang/.built: envs/build_env.sh envs/sglang-cpu.txt envs/constraints-cpu.txt envs/post_sglang.sh $(shell find envs/cpu_support -type f -not -name "*.pyc" 2>/dev/null)
 	PYTHON=$(PYTHON) bash envs/build_env.sh sglang
 
 demo: env-$(DEMO_BACKEND)

@@ -56,7 +56,11 @@ def register(package_dir: Path, site: Path) -> list[str]:
         module, _, func = target.partition(":")
         path = site / "bin" / script
         path.parent.mkdir(exist_ok=True)
-        path.write_text(f"#!/usr/bin/env python3\nimport sys\nfrom {module} import {func}\nsys.exit({func}())\n")
+        path.write_text(
+            f"#!/usr/bin/env python3\nimport sys\nfrom {module} import {func}\n\n"
+            f"if __name__ == '__main__':  # engines spawn processes that re-import this file\n"
+            f"    sys.exit({func}())\n"
+        )
         path.chmod(0o755)
         written.append(str(path))
     return written

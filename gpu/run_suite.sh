@@ -69,12 +69,12 @@ for s in "${STEPS[@]}"; do
     bench)
       # shellcheck disable=SC2086
       step bench "$OUT/bench-$ENGINE.log" rlinfer bench --backend "$ENGINE" --model "$MODEL" \
-        --dtype bfloat16 --prompts 64 --prompt-len 128 --max-tokens 128 --runs 3 \
+        --dtype bfloat16 --prompts 128 --prompt-len 128 --max-tokens 256 --runs 5 \
         --json-out "$OUT/bench-$ENGINE.json" ${RLINFER_GPU_BENCH_ARGS:-}
       ;;
     weightsync)
       step weightsync "$OUT/weightsync-$ENGINE.log" python3 bench/gpu/weight_sync_bench.py \
-        --backend "$ENGINE" --model "$MODEL" --json-out "$OUT/weightsync-$ENGINE.json"
+        --backend "$ENGINE" --model "$MODEL" --json-out "$OUT/weightsync-$ENGINE.json" ${RLINFER_GPU_WEIGHTSYNC_ARGS:-}
       ;;
     *)
       echo "run_suite: unknown step '$s'" >&2

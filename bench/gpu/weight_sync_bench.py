@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """The whole benchmark; stages that fail are recorded and the rest still run if possible."""
     import attrs
     import torch
-    from rlinfer_core.types import EngineConfig, GenerateRequest, SamplingParams
+    from rlinfer_core.types import EngineConfig, GenerateRequest, SamplingParams, parse_assignments
     from rlinfer_core.weights import NamedTensors
 
     from rlinfer_core import engine as rl_engine
@@ -151,6 +151,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         max_model_len=args.max_model_len,
         startup_timeout_s=args.startup_timeout,
         request_timeout_s=args.request_timeout,
+        engine_kwargs=parse_assignments(args.engine_arg),
     )
     result["config"] = attrs.asdict(config)
     start_s, engine = timed(lambda: rl_engine.open_engine(args.backend, config, load_entry_point_plugins=False))
@@ -276,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-eager", dest="eager", action="store_false", help="allow CUDA graphs / torch.compile")
     parser.add_argument("--startup-timeout", type=float, default=420.0)
     parser.add_argument("--request-timeout", type=float, default=120.0)
+    parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE", help="engine_kwargs entry")
     args = parser.parse_args(argv)
     args.json_out.parent.mkdir(parents=True, exist_ok=True)
     try:

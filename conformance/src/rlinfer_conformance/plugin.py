@@ -47,6 +47,25 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--rlinfer-backend", default=None, help="run the rlinfer conformance kit against this backend")
     group.addoption("--rlinfer-report", default=None, help="write the kit's JSON report to this file")
     group.addoption(
+        "--rlinfer-config",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="EngineConfig field for the kit's engine, e.g. enable_memory_release=true (repeatable)",
+    )
+    group.addoption(
+        "--rlinfer-engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="engine-specific argument (EngineConfig.engine_kwargs), e.g. attention_backend=triton",
+    )
+    group.addoption(
+        "--rlinfer-logprob-tol",
+        default=None,
+        help="max |logprob - oracle| (default 1e-5, for float32 on CPU; GPU kernels need more, e.g. 1e-3)",
+    )
+    group.addoption(
         "--rlinfer-profile",
         default=os.environ.get("RLINFER_HYPOTHESIS_PROFILE", "ci"),
         choices=PROFILES,
@@ -59,6 +78,9 @@ def pytest_configure(config: pytest.Config) -> None:
     for line in MARKERS:
         config.addinivalue_line("markers", line)
     register_hypothesis_profiles()
+    tolerance = config.getoption("--rlinfer-logprob-tol")
+    if tolerance is not None:
+        os.environ["RLINFER_LOGPROB_TOL"] = str(float(tolerance))  # read by rlinfer_conformance.world
     backend = config.getoption("--rlinfer-backend")
     if backend:
         from hypothesis import settings
@@ -121,9 +143,16 @@ def rlinfer_backend(pytestconfig: pytest.Config) -> str:
 
 
 @pytest.fixture(scope="session")
-def rlinfer_config_overrides() -> dict[str, Any]:
-    """Extra EngineConfig fields for the kit's engine; override this fixture in the test file."""
-    return {}
+def rlinfer_config_overrides(pytestconfig: pytest.Config) -> dict[str, Any]:
+    """Extra EngineConfig fields for the kit's engine, from ``--rlinfer-config`` and
+    ``--rlinfer-engine-arg``; a backend's test file may override this fixture."""
+    from rlinfer_core.types import parse_assignments
+
+    fields = parse_assignments(pytestconfig.getoption("--rlinfer-config"), "--rlinfer-config")
+    engine_args = parse_assignments(pytestconfig.getoption("--rlinfer-engine-arg"), "--rlinfer-engine-arg")
+    if engine_args:
+        fields["engine_kwargs"] = {**fields.get("engine_kwargs", {}), **engine_args}
+    return fields
 
 
 @pytest.fixture(scope="session")

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from rlinfer_core.engine import AsyncEngine
-from rlinfer_core.types import EngineConfig, GenerateRequest, SamplingParams
+from rlinfer_core.types import EngineConfig, GenerateRequest, SamplingParams, parse_assignments
 from rlinfer_core.weights import CheckpointDir, NamedTensors
 
 
@@ -68,7 +68,12 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
 
     workdir = Path(tempfile.mkdtemp(prefix="rlinfer-bench-"))
     model = Path(args.model) if args.model else make_tiny_model(workdir / "model-a", seed=0)
-    config = EngineConfig(model=str(model), seed=0, **({"dtype": args.dtype} if args.dtype else {}))
+    config = EngineConfig(
+        model=str(model),
+        seed=0,
+        engine_kwargs=parse_assignments(getattr(args, "engine_arg", []) or []),
+        **({"dtype": args.dtype} if args.dtype else {}),
+    )
     engine = await AsyncEngine.open(args.backend, config, load_entry_point_plugins=False)
     try:
         assert engine.model_info is not None

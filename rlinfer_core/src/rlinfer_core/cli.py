@@ -115,6 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runs", type=int, default=5, help="timed runs per side (median reported)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="engine dtype")
     p.add_argument("--json-out", help="write the JSON result here")
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="engine-specific argument passed through EngineConfig.engine_kwargs (repeatable)",
+    )
     p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("conformance", help="run the conformance kit against a backend")

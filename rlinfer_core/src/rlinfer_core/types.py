@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import attrs
@@ -285,3 +285,20 @@ class EngineConfig:
     def __attrs_post_init__(self) -> None:
         if not self.model:
             raise InvalidRequest("model", "must be a model directory or name, got ''")
+
+
+def parse_assignments(items: Sequence[str], what: str = "engine_kwargs") -> dict[str, Any]:
+    """Parse ``["key=value", ...]`` (from a command line); values are JSON when they parse
+    (``true``, ``3``, ``0.5``, ``"x"``), plain strings otherwise."""
+    import json
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise InvalidRequest(what, f"expected KEY=VALUE, got {item!r}")
+        try:
+            out[key.strip()] = json.loads(raw)
+        except ValueError:
+            out[key.strip()] = raw
+    return out
