@@ -110,7 +110,9 @@ class VllmBackend:
             raise BackendLoadError(f"vLLM failed to start for model {config.model!r}: {exc}") from exc
         self._llm = llm
         self._engine_procs = processes.started_since(before)
-        specs = (await llm.collective_rpc("rlinfer_init"))[0]
+        # dtype="auto": updates come in the checkpoint's dtypes (vLLM may serve a float32
+        # checkpoint in a half type and casts on load); an explicit dtype: in that dtype
+        specs = (await llm.collective_rpc("rlinfer_init", args=(config.dtype == "auto",)))[0]
         self._specs = {name: TensorSpec(name, dtype, tuple(shape)) for name, dtype, shape in specs}
         self._info = self._model_info(llm)
         self._caps = self._runtime_capabilities(llm)
@@ -333,7 +335,8 @@ class VllmBackend:
 
     @hookimpl
     def rlinfer_weight_specs(self) -> Mapping[str, TensorSpec]:
-        """The checkpoint's parameter names, in the engine's dtype, with their shapes."""
+        """The checkpoint's parameter names and shapes; dtypes: the checkpoint's under
+        ``dtype="auto"``, else the served dtype."""
         return dict(self._specs)
 
     async def _rpc(self, method: str, *args: Any) -> Any:

@@ -9,7 +9,8 @@ Loading uses vLLM's own in-place reload (``Worker.reload_weights``), which re-ru
 ``load_weights`` and kernel packing. That reload processes whole layers: a layer whose fused
 parameters (e.g. ``qkv_proj`` from q/k/v) are only partly given would be rebuilt from
 uninitialised memory, and vLLM's packed CPU weights cannot be read back. So the extension keeps a
-host copy of the checkpoint (HF names, engine dtype) - the *shadow* - and:
+host copy of the checkpoint (HF names; checkpoint dtypes under ``dtype="auto"``, else the served
+dtype) - the *shadow* - and:
 
 - a full update is loaded as given; a partial one is merged into the shadow first;
 - the shadow is committed only after the engine loaded the update;
@@ -46,20 +47,26 @@ class RLInferWorkerExtension:
 
     # --- setup --------------------------------------------------------------------------------
 
-    def rlinfer_init(self) -> list[tuple[str, str, list[int]]]:
-        """Build the shadow from the model's checkpoint; return (name, dtype, shape) of each."""
-        self._rlinfer_shadow = dict(self._rlinfer_read_checkpoint())
+    def rlinfer_init(self, checkpoint_dtypes: bool) -> list[tuple[str, str, list[int]]]:
+        """Build the shadow from the model's checkpoint; return (name, dtype, shape) of each.
+
+        ``checkpoint_dtypes``: keep each tensor's checkpoint dtype (rlinfer's ``dtype="auto"``:
+        what a trainer holds and a checkpoint directory contains; vLLM casts on load) instead of
+        the served dtype.
+        """
+        self._rlinfer_shadow = dict(self._rlinfer_read_checkpoint(checkpoint_dtypes))
         self._rlinfer_shadow_dir = None
         self._rlinfer_group = None
         return [(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in self._rlinfer_shadow.items()]
 
-    def _rlinfer_read_checkpoint(self) -> Iterable[Pair]:
+    def _rlinfer_read_checkpoint(self, checkpoint_dtypes: bool) -> Iterable[Pair]:
         from vllm.model_executor.model_loader import get_model_loader
 
         model_config = self.vllm_config.model_config
         loader = get_model_loader(self.vllm_config.load_config)
-        dtype = model_config.dtype
+        served = model_config.dtype
         for name, tensor in loader.get_all_weights(model_config, self.model_runner.get_model()):
+            dtype = tensor.dtype if checkpoint_dtypes or not tensor.is_floating_point() else served
             yield name, tensor.to(device="cpu", dtype=dtype).clone()
 
     # --- transports ---------------------------------------------------------------------------
