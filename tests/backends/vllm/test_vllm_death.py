@@ -24,7 +24,8 @@ DEADLINE_S = 5.0
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
     model: Path = make_tiny_model(tmp_path_factory.mktemp("vllm-death") / "seed0", seed=0)
-    eng = open_engine("vllm", model=str(model), load_entry_point_plugins=False, **ENGINE_FIELDS)
+    # eager mode skips torch.compile's warm-up (~15 s here); death handling does not depend on it
+    eng = open_engine("vllm", model=str(model), load_entry_point_plugins=False, enforce_eager=True, **ENGINE_FIELDS)
     try:
         yield eng
     finally:
