@@ -710,11 +710,8 @@ class SGLangBackend:
         self, control: dict[str, Any], tensors: Sequence[tuple[str, Any]] = (), *, flush: bool
     ) -> None:
         """Run rlinfer's scheduler-side loader once on every TP rank; raise on any failure."""
-        from sglang.srt.managers.io_struct import (
-            BeginWeightUpdateReqInput,
-            EndWeightUpdateReqInput,
-            UpdateWeightsFromTensorReqInput,
-        )
+        from sglang.srt.managers import io_struct
+        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
         from sglang.srt.utils import MultiprocessingSerializer
 
         from rlinfer_sglang.scheduler_side import encode_control
@@ -727,13 +724,19 @@ class SGLangBackend:
         req = UpdateWeightsFromTensorReqInput(
             serialized_named_tensors=[payload] * self._tp_size, load_format=WEIGHT_LOADER, flush_cache=flush
         )
-        ok, message = await self._guard(tm.begin_weight_update(BeginWeightUpdateReqInput(), None))
-        if not ok:
-            raise WeightUpdateError(f"SGLang refused to open a weight update: {message}")
+        # SGLang >= 0.5.2x wraps tensor updates in begin/end_weight_update; 0.5.16 has neither.
+        begin = getattr(io_struct, "BeginWeightUpdateReqInput", None)
+        end = getattr(io_struct, "EndWeightUpdateReqInput", None)
+        if begin is not None:
+            ok, message = await self._guard(tm.begin_weight_update(begin(), None))
+            if not ok:
+                raise WeightUpdateError(f"SGLang refused to open a weight update: {message}")
+        end_ok, end_message = True, ""
         try:
             ok, message = (await self._guard(tm.update_weights_from_tensor(req, None)))[:2]
         finally:
-            end_ok, end_message = await self._guard(tm.end_weight_update(EndWeightUpdateReqInput(), None))
+            if end is not None:
+                end_ok, end_message = await self._guard(tm.end_weight_update(end(), None))
         outcomes = [self._outcome(result, rank) for rank in range(self._tp_size)]
         failed = [o for o in outcomes if not o.get("ok")]
         if failed:
