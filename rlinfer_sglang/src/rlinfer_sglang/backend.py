@@ -58,7 +58,8 @@ from rlinfer_core.weights import (
     WeightUpdate,
 )
 
-from rlinfer_sglang import convert, processes
+from rlinfer_core import processes
+from rlinfer_sglang import convert
 from rlinfer_sglang.capabilities import capabilities, installed_platform, installed_version
 from rlinfer_sglang.config import WEIGHT_LOADER, needs_context_override, resolve_platform, server_args
 

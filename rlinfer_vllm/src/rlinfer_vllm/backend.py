@@ -45,7 +45,8 @@ from rlinfer_core.weights import (
     WeightUpdate,
 )
 
-from rlinfer_vllm import convert, processes
+from rlinfer_core import processes
+from rlinfer_vllm import convert
 from rlinfer_vllm.capabilities import capabilities, installed_engine, installed_platform
 from rlinfer_vllm.config import engine_args, resolve_platform
 

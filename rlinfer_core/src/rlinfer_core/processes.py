@@ -1,8 +1,9 @@
-"""Track the processes an engine start creates, so that shutdown can kill exactly those.
+"""Track the processes an engine start creates, so that shutdown stops exactly those.
 
-SGLang's own ``Engine.shutdown`` kills *every* child of the calling process (and its crash
-handlers kill the caller itself); a trainer's data-loader workers must survive an engine
-shutdown, so rlinfer tracks and reaps only the processes the engine start created.
+Backends snapshot this process's descendants before starting their engine and keep what
+appeared since. At shutdown they reap (wait, then kill) or kill (terminate, then kill) only
+those: engines such as SGLang otherwise kill *every* child of the caller, and a trainer's
+data-loader workers must survive an engine shutdown. Needs psutil (``rlinfer-core[backend]``).
 """
 
 from __future__ import annotations
@@ -44,10 +45,26 @@ def alive(procs: list[Any]) -> list[Any]:
     """Those of ``procs`` still running (psutil checks pid and start time, so reuse is safe)."""
     out = []
     for proc in procs:
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # a process may vanish between the two checks
             if proc.is_running() and proc.status() != "zombie":
                 out.append(proc)
     return out
+
+
+def _kill_survivors(running: list[Any], timeout_s: float) -> list[int]:
+    import psutil  # type: ignore[import-untyped]
+
+    _, still = psutil.wait_procs(running, timeout=timeout_s)
+    for proc in still:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    psutil.wait_procs(still, timeout=5.0)
+    return [p.pid for p in still]
+
+
+def reap(procs: list[Any], timeout_s: float = 10.0) -> list[int]:
+    """Wait for ``procs`` to exit; kill the ones still alive after ``timeout_s``; return their pids."""
+    return _kill_survivors(alive(procs), timeout_s)
 
 
 def kill(procs: list[Any], grace_s: float = 5.0) -> list[int]:
@@ -65,13 +82,9 @@ def kill(procs: list[Any], grace_s: float = 5.0) -> list[int]:
     for proc in running:
         with contextlib.suppress(psutil.NoSuchProcess):
             proc.terminate()
-    _, still = psutil.wait_procs(running, timeout=grace_s)
-    for proc in still:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            proc.kill()
-    psutil.wait_procs(still, timeout=5.0)
+    killed = _kill_survivors(running, grace_s)
     for proc in everyone:  # reap children that died on their own (e.g. a killed scheduler)
         with contextlib.suppress(Exception):
             if proc.status() == psutil.STATUS_ZOMBIE:
                 proc.wait(timeout=1.0)
-    return [p.pid for p in still]
+    return killed
