@@ -53,8 +53,8 @@ async def _timed(coro: Any) -> tuple[float, Any]:
     return time.perf_counter() - started, result
 
 
-def _second_model_tensors(engine: AsyncEngine, model_dir: Path) -> list[tuple[str, Any]]:
-    """Weights of a second checkpoint, cast to what the engine accepts."""
+def _engine_tensors(engine: AsyncEngine, model_dir: Path) -> list[tuple[str, Any]]:
+    """The checkpoint's tensors that the engine accepts, cast to the engine's dtypes."""
     from rlinfer_core.transfer.buckets import to_dtype
     from rlinfer_core.transfer.disk import read_tensors
 
@@ -95,12 +95,14 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                 tokens[side] = count
 
         # Weight updates: alternate between two checkpoints so every update really changes weights.
-        dirs = [model, make_tiny_model(workdir / "model-b", seed=1) if not args.model else model]
         if args.model:
             from rlinfer_core.transfer.disk import save_dir
 
-            dirs[1] = save_dir(_second_model_tensors(engine, model), workdir / "model-b")
-        tensors = [_second_model_tensors(engine, d) for d in dirs]
+            second = save_dir(_engine_tensors(engine, model), workdir / "model-b")
+        else:
+            second = make_tiny_model(workdir / "model-b", seed=1)
+        dirs = [model, second]
+        tensors = [_engine_tensors(engine, d) for d in dirs]
         nbytes = sum(t.numel() * t.element_size() for _, t in tensors[0])
         upd: dict[str, list[float]] = {"rlinfer_disk": [], "rlinfer_tensors": [], "raw_disk": []}
         for run in range(-1, runs):
