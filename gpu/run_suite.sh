@@ -9,8 +9,13 @@
 #   - weightsync:  bench/gpu/weight_sync_bench.py (CUDA-IPC GB/s, release/resume) -> $OUT/weightsync-E.{json,log}
 # A run call is limited to 600 s and an engine start takes ~1.5 min on the GPU, so pass one or
 # two steps per call (docs/gpu.md has the sequence). Per-step time limits: RLINFER_GPU_TIMEOUT
-# (seconds, default 540). Extra pytest args: RLINFER_GPU_PYTEST_ARGS. Extra bench args:
-# RLINFER_GPU_BENCH_ARGS. Writes at most 8 files to $OUT (what a run call can bring back).
+# (seconds, default 540). Extra args: RLINFER_GPU_PYTEST_ARGS (kit), RLINFER_GPU_BENCH_ARGS
+# (rlinfer bench), RLINFER_GPU_WEIGHTSYNC_ARGS; they come after the GPU defaults below, so they win.
+# Writes at most 8 files to $OUT (what a run call can bring back).
+#
+# GPU defaults: the kit runs with memory release on and a logprob tolerance of 2e-3 (its CPU
+# default, 1e-5, is float32-on-CPU exact; float32 on GPU kernels measured 1.3e-4 - 5.3e-4), and
+# SGLang gets attention_backend=triton everywhere (the lean bundle prunes FlashAttention 3).
 set -uo pipefail
 ENGINE=${1:?usage: run_suite.sh vllm|sglang [info model conformance bench weightsync]}
 shift
@@ -30,8 +35,14 @@ if [ ! -f "$SITE/.installed" ]; then
 fi
 # shellcheck source=/dev/null
 source "$HERE/env.sh" "$ENGINE"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 rc=0
+KIT_ARGS=(--rlinfer-config enable_memory_release=true --rlinfer-logprob-tol 2e-3)
+ENGINE_ARGS=()
+if [ "$ENGINE" = sglang ]; then
+  KIT_ARGS+=(--rlinfer-engine-arg attention_backend=triton)
+  ENGINE_ARGS+=(--engine-arg attention_backend=triton)
+fi
 
 step() {  # step NAME LOGFILE CMD...: run with a time limit, log to $OUT, remember failures
   local name=$1 log=$2
@@ -64,17 +75,18 @@ for s in "${STEPS[@]}"; do
       step conformance "$OUT/conformance-$ENGINE.log" python3 -m pytest \
         "tests/backends/test_${ENGINE}_conformance.py" -q -p rlinfer_conformance \
         --rlinfer-backend "$ENGINE" --rlinfer-report "$OUT/conformance-$ENGINE.json" \
-        ${RLINFER_GPU_PYTEST_ARGS:-}
+        "${KIT_ARGS[@]}" ${RLINFER_GPU_PYTEST_ARGS:-}
       ;;
     bench)
       # shellcheck disable=SC2086
       step bench "$OUT/bench-$ENGINE.log" rlinfer bench --backend "$ENGINE" --model "$MODEL" \
         --dtype bfloat16 --prompts 128 --prompt-len 128 --max-tokens 256 --runs 5 \
-        --json-out "$OUT/bench-$ENGINE.json" ${RLINFER_GPU_BENCH_ARGS:-}
+        --json-out "$OUT/bench-$ENGINE.json" "${ENGINE_ARGS[@]}" ${RLINFER_GPU_BENCH_ARGS:-}
       ;;
     weightsync)
       step weightsync "$OUT/weightsync-$ENGINE.log" python3 bench/gpu/weight_sync_bench.py \
-        --backend "$ENGINE" --model "$MODEL" --json-out "$OUT/weightsync-$ENGINE.json" ${RLINFER_GPU_WEIGHTSYNC_ARGS:-}
+        --backend "$ENGINE" --model "$MODEL" --json-out "$OUT/weightsync-$ENGINE.json" \
+        "${ENGINE_ARGS[@]}" ${RLINFER_GPU_WEIGHTSYNC_ARGS:-}
       ;;
     *)
       echo "run_suite: unknown step '$s'" >&2

@@ -118,6 +118,31 @@ def load_weight_sets(
     return a, b, nbytes
 
 
+def breakdown(engine: Any, tensors: list[tuple[str, Any]], nbytes: int, repeats: int) -> dict[str, Any]:
+    """Where an update's time goes, by timing its parts alone (medians): the facade's validation,
+    packing for CUDA IPC, and, as the physical floor, one device-to-device copy of the same bytes."""
+    import torch
+    from rlinfer_core.transfer import ipc
+    from rlinfer_core.transfer.validate import validate_source
+    from rlinfer_core.weights import NamedTensors
+
+    source = NamedTensors.of(tensors)
+    targets = [torch.empty_like(t) for _, t in tensors]
+    parts: dict[str, Callable[[], Any]] = {
+        "validate_s": lambda: validate_source(source, engine.weight_specs),
+        "pack_for_ipc_s": lambda: ipc.pack_cuda(tensors),
+        "d2d_copy_floor_s": lambda: torch._foreach_copy_(targets, [t for _, t in tensors]),
+    }
+    out: dict[str, Any] = {}
+    for name, fn in parts.items():
+        fn()  # warm-up
+        out[name] = statistics.median(timed(fn)[0] for _ in range(repeats))
+    out["d2d_copy_floor_gb_per_s"] = nbytes / GB / out["d2d_copy_floor_s"]
+    targets.clear()
+    torch.cuda.empty_cache()
+    return out
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """The whole benchmark; stages that fail are recorded and the rest still run if possible."""
     import attrs
@@ -201,6 +226,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "worst": nbytes / GB / max(seconds),
             }
             update["weight_version"] = engine.weight_version
+            update["breakdown"] = breakdown(engine, a, nbytes, args.repeats)
             after_a = tokens()
             update["sanity"] = {
                 "b_differs_from_a_prefix_agreement": prefix_agreement(base, after_b),
@@ -228,6 +254,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 mem.setdefault("snapshots", []).append({"before": before, "released": released, "resumed": resumed})
             mem["release_time_s"] = stats(mem["release_s"])
             mem["resume_time_s"] = stats(mem["resume_s"])
+            engine_gib = memory["after_start"]["used_gib"] - memory["before_start"]["used_gib"]
+            mem["engine_footprint_gib"] = engine_gib
+            mem["freed_fraction"] = statistics.median(mem["freed_gib"]) / engine_gib
+            # the RL order (verl, SkyRL): wake the weights, sync new ones, then wake the KV cache
+            split: dict[str, list[float]] = {"resume_weights_s": [], "resume_kv_cache_s": []}
+            for _ in range(args.memory_repeats):
+                engine.release_memory()
+                split["resume_weights_s"].append(timed(lambda: engine.resume_memory(["weights"]))[0])
+                split["resume_kv_cache_s"].append(timed(lambda: engine.resume_memory(["kv_cache"]))[0])
+            mem["split_resume"] = {k: stats(v) for k, v in split.items()}
             after_resume = tokens()
             mem["sanity_prefix_agreement_after_resume"] = prefix_agreement(base, after_resume)
         except Exception as exc:
@@ -257,7 +293,20 @@ def summary(result: dict[str, Any]) -> str:
         lines.append(
             f"release {m['release_time_s']['median']:.3f} s freed {statistics.median(m['freed_gib']):.1f} GiB "
             f"(nvidia-smi {statistics.median(m['freed_smi_gib']) if m['freed_smi_gib'] else float('nan'):.1f}); "
-            f"resume {m['resume_time_s']['median']:.3f} s"
+            f"resume {m['resume_time_s']['median']:.3f} s; freed {m['freed_fraction']:.0%} of the engine's "
+            f"{m['engine_footprint_gib']:.1f} GiB"
+        )
+    if "split_resume" in m:
+        sr = m["split_resume"]
+        lines.append(
+            f"resume weights {sr['resume_weights_s']['median']:.3f} s, then KV cache "
+            f"{sr['resume_kv_cache_s']['median']:.3f} s"
+        )
+    if "breakdown" in u:
+        b = u["breakdown"]
+        lines.append(
+            f"parts: validate {b['validate_s'] * 1e3:.1f} ms, pack for IPC {b['pack_for_ipc_s'] * 1e3:.1f} ms, "
+            f"d2d copy floor {b['d2d_copy_floor_s'] * 1e3:.2f} ms ({b['d2d_copy_floor_gb_per_s']:.0f} GB/s)"
         )
     lines += [f"ERROR {e}" for e in result.get("errors", [])]
     return "\n".join(lines)

@@ -6,10 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from rlinfer_core.errors import WeightUpdateError
 from rlinfer_core.transfer.buckets import pack
 from rlinfer_core.transfer.disk import save_dir
-from rlinfer_core.transfer.validate import check_tensors, validate_source
+from rlinfer_core.transfer.validate import check_tensors, nonfinite_problems, validate_source
 from rlinfer_core.weights import BroadcastSource, Buckets, CheckpointDir, NamedTensors, TensorSpec
 
 EXPECTED = {
@@ -70,6 +72,33 @@ def test_nonfinite_values_rejected(bad: float) -> None:
         "model.embed.weight: holds NaN or inf values",
         "model.norm.weight: holds NaN or inf values",
     )
+
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64]
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(DTYPES), st.integers(0, 40), st.sampled_from([None, "nan", "inf", "-inf"])),
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_fused_finiteness_check_names_exactly_the_bad_tensors(specs: list[tuple[torch.dtype, int, str | None]]) -> None:
+    tensors, bad = [], []
+    for i, (dtype, numel, poison) in enumerate(specs):
+        t = torch.randn(numel).to(dtype) if dtype.is_floating_point else torch.arange(numel, dtype=dtype)
+        if poison and numel and dtype.is_floating_point:
+            t[numel // 2] = float(poison)
+            bad.append(f"t{i}: holds NaN or inf values")
+        tensors.append((f"t{i}", t))
+    assert nonfinite_problems(tensors) == bad
+
+
+def test_large_finite_values_whose_norm_overflows_are_accepted() -> None:
+    # the fused pass sums |x| in float32 (overflows here); the per-tensor pass clears it
+    big = [("a", torch.full((1000,), 3e38)), ("b", torch.full((8,), 6e4, dtype=torch.float16))]
+    assert nonfinite_problems(big) == []
 
 
 def test_empty_update_rejected() -> None:

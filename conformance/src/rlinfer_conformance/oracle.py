@@ -8,6 +8,7 @@ must be the argmax (up to exact ties), and each token's logprob must equal
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,8 +19,14 @@ if TYPE_CHECKING:
     import torch
     from rlinfer_core.types import Completion, GenerateRequest
 
-#: logits closer than this count as a tie for the argmax check
+#: logits closer than this count as a tie for the argmax check (at the CPU logprob tolerance)
 TIE_TOLERANCE = 1e-4
+
+
+def tie_tolerance() -> float:
+    """The argmax tie band: an engine whose logits may be off by the logprob tolerance ``tol``
+    (``--rlinfer-logprob-tol``, e.g. for GPU kernels) may swap two logits closer than 2 * tol."""
+    return max(TIE_TOLERANCE, 2 * float(os.environ.get("RLINFER_LOGPROB_TOL", "0")))
 
 
 @attrs.frozen
@@ -115,10 +122,11 @@ class Oracle:
         engine = torch.tensor(completion.logprobs, dtype=torch.float64)
         delta = float((picked - engine).abs().max()) if len(engine) == len(tokens) else float("inf")
         mismatches = []
+        tie = tie_tolerance()
         if s.greedy:
             for i, token in enumerate(tokens):
                 best = int(logits[i].argmax())
-                if best != token and float(logits[i][best] - logits[i][token]) > TIE_TOLERANCE:
+                if best != token and float(logits[i][best] - logits[i][token]) > tie:
                     mismatches.append(
                         f"{request.request_id}[{i}]: engine {token}, oracle argmax {best} "
                         f"(logit gap {float(logits[i][best] - logits[i][token]):.3g})"

@@ -51,6 +51,7 @@ from rlinfer_core.types import (
 from rlinfer_core.weights import (
     BroadcastGroup,
     BroadcastSource,
+    Bucket,
     Buckets,
     CheckpointDir,
     NamedTensors,
@@ -773,13 +774,16 @@ class SGLangBackend:
     @hookimpl
     async def rlinfer_update_weights(self, update: WeightUpdate) -> None:
         """Hand the (validated) update to the scheduler, which checks all of it, then loads."""
+        from rlinfer_core.transfer import ipc
+
         source = update.source
-        if isinstance(source, NamedTensors):
+        cuda_buckets = ipc.pack_cuda(source.tensors) if isinstance(source, NamedTensors) else None
+        if cuda_buckets is not None:
+            await self._send_buckets(cuda_buckets)
+        elif isinstance(source, NamedTensors):
             await self._scheduler_op({"op": "tensors"}, list(source.tensors), flush=True)
         elif isinstance(source, Buckets):
-            manifests = [attrs.asdict(b.manifest) for b in source.buckets]
-            pairs = [(str(i), b.data) for i, b in enumerate(source.buckets)]
-            await self._scheduler_op({"op": "buckets", "manifests": manifests}, pairs, flush=True)
+            await self._send_buckets(source.buckets)
         elif isinstance(source, CheckpointDir):
             await self._scheduler_op({"op": "disk", "path": str(Path(source.path).resolve())}, flush=True)
         elif isinstance(source, BroadcastSource):
@@ -787,6 +791,11 @@ class SGLangBackend:
             await self._scheduler_op({"op": "broadcast", "group_name": self._group_name, "specs": specs}, flush=True)
         else:
             raise WeightUpdateError(f"unknown weight source {type(source).__name__}")
+
+    async def _send_buckets(self, buckets: Sequence[Bucket]) -> None:
+        manifests = [attrs.asdict(b.manifest) for b in buckets]
+        pairs = [(str(i), b.data) for i, b in enumerate(buckets)]
+        await self._scheduler_op({"op": "buckets", "manifests": manifests}, pairs, flush=True)
 
     _group_name = ""
 

@@ -135,6 +135,11 @@ def load(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
             tensors = _gather(model, control, list(named_tensors[1:]))
             outcome["loaded"] = True  # from here on a failure may leave a partial update
             model.load_weights(tensors)
+            if _device(model).type == "cuda":
+                import torch
+
+                # the sender frees (or reuses) its buffers once this call returns
+                torch.cuda.current_stream().synchronize()
         outcome.update(ok=True, error=None)
     except Exception as exc:  # reported to the caller through the result file
         outcome["error"] = f"{type(exc).__name__}: {exc}"

@@ -38,6 +38,7 @@ from rlinfer_core.types import (
 from rlinfer_core.weights import (
     BroadcastGroup,
     BroadcastSource,
+    Bucket,
     Buckets,
     CheckpointDir,
     NamedTensors,
@@ -357,14 +358,14 @@ class VllmBackend:
         source = update.source
         loop = asyncio.get_running_loop()
         try:
-            if isinstance(source, NamedTensors):
+            cuda_buckets = ipc.pack_cuda(source.tensors) if isinstance(source, NamedTensors) else None
+            if cuda_buckets is not None:
+                await self._send_buckets(cuda_buckets)
+            elif isinstance(source, NamedTensors):
                 payload = await loop.run_in_executor(None, ipc.dumps, list(source.tensors))
                 await self._rpc("rlinfer_load_ipc", payload)
             elif isinstance(source, Buckets):
-                manifests = pickle.dumps([b.manifest for b in source.buckets])
-                pairs = [(str(i), b.data) for i, b in enumerate(source.buckets)]
-                payload = await loop.run_in_executor(None, ipc.dumps, pairs)
-                await self._rpc("rlinfer_load_buckets", manifests, payload)
+                await self._send_buckets(source.buckets)
             elif isinstance(source, CheckpointDir):
                 await self._rpc("rlinfer_load_dir", str(Path(source.path).resolve()))
             elif isinstance(source, BroadcastSource):
@@ -375,6 +376,14 @@ class VllmBackend:
             raise
         except Exception as exc:
             raise WeightUpdateError(f"vLLM failed to load the update: {exc}") from exc
+
+    async def _send_buckets(self, buckets: Sequence[Bucket]) -> None:
+        from rlinfer_core.transfer import ipc
+
+        manifests = pickle.dumps([b.manifest for b in buckets])
+        pairs = [(str(i), b.data) for i, b in enumerate(buckets)]
+        payload = await asyncio.get_running_loop().run_in_executor(None, ipc.dumps, pairs)
+        await self._rpc("rlinfer_load_buckets", manifests, payload)
 
     @hookimpl
     async def rlinfer_init_weight_broadcast(self, group: BroadcastGroup) -> None:

@@ -5,8 +5,18 @@ vLLM mixes this class into its Worker; the backend calls its ``rlinfer_*`` metho
 arrive as shared-memory / CUDA-IPC handles (:mod:`rlinfer_core.transfer.ipc`), as a directory
 path, or over the broadcast group.
 
-Loading uses vLLM's own in-place reload (``Worker.reload_weights``), which re-runs the model's
-``load_weights`` and kernel packing. That reload processes whole layers: a layer whose fused
+Two ways of loading, chosen once per worker (:meth:`RLInferWorkerExtension.rlinfer_init`):
+
+*In place* (CUDA, unquantized, no MLA attention): the model's own ``load_weights`` copies each
+tensor into its parameter slice (a ``q_proj`` tensor into its rows of ``qkv_proj``), so partial
+updates need nothing else and the copies stay on the GPU. This is what RL trainers on vLLM do;
+rlinfer adds the checks. Nothing is written before every name, shape and dtype was checked (the
+facade also checked finiteness); an error inside vLLM after that (a CUDA fault) may leave a
+partial update and is reported as such.
+
+*Reload* (everything else: CPU, quantized models, MLA): vLLM's layer-wise in-place reload
+(``Worker.reload_weights``) re-runs ``load_weights`` and the kernel processing (packing,
+quantization, MLA's derived matrices). That reload processes whole layers: a layer whose fused
 parameters (e.g. ``qkv_proj`` from q/k/v) are only partly given would be rebuilt from
 uninitialised memory, and vLLM's packed CPU weights cannot be read back. So the extension keeps a
 host copy of the checkpoint (HF names; checkpoint dtypes under ``dtype="auto"``, else the served
@@ -18,7 +28,8 @@ dtype) - the *shadow* - and:
 - if loading still fails inside vLLM, its layer-wise reload state is unwound and the shadow (the
   old weights) is loaded back before the error is raised.
 
-Its cost is one host-memory copy of the weights per worker.
+Its cost is one host-memory copy of the weights per worker, and a device-to-host copy of every
+update.
 """
 
 from __future__ import annotations
@@ -41,23 +52,39 @@ class RLInferWorkerExtension:
     device: Any
     rank: int
 
-    _rlinfer_shadow: dict[str, torch.Tensor]
+    _rlinfer_specs: dict[str, tuple[torch.dtype, tuple[int, ...]]]
+    _rlinfer_shadow: dict[str, torch.Tensor] | None  # reload mode only
     _rlinfer_shadow_dir: str | None
     _rlinfer_group: Any
 
     # --- setup --------------------------------------------------------------------------------
 
     def rlinfer_init(self, checkpoint_dtypes: bool) -> list[tuple[str, str, list[int]]]:
-        """Build the shadow from the model's checkpoint; return (name, dtype, shape) of each.
+        """Choose the loading mode, read the checkpoint's specs (and, to reload, the shadow);
+        return (name, dtype, shape) of each tensor.
 
         ``checkpoint_dtypes``: keep each tensor's checkpoint dtype (rlinfer's ``dtype="auto"``:
         what a trainer holds and a checkpoint directory contains; vLLM casts on load) instead of
         the served dtype.
         """
-        self._rlinfer_shadow = dict(self._rlinfer_read_checkpoint(checkpoint_dtypes))
+        checkpoint = dict(self._rlinfer_read_checkpoint(checkpoint_dtypes))
+        self._rlinfer_specs = {name: (t.dtype, tuple(t.shape)) for name, t in checkpoint.items()}
+        self._rlinfer_shadow = None if self.rlinfer_loads_in_place() else checkpoint
         self._rlinfer_shadow_dir = None
         self._rlinfer_group = None
-        return [(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in self._rlinfer_shadow.items()]
+        specs = self._rlinfer_specs.items()
+        return [(name, str(dtype).removeprefix("torch."), list(shape)) for name, (dtype, shape) in specs]
+
+    def rlinfer_loads_in_place(self) -> bool:
+        """Whether ``load_weights`` alone puts an update in place (see the module docstring)."""
+        config = self.vllm_config
+        if config.device_config.device_type != "cuda" or config.model_config.quantization is not None:
+            return False
+        if config.cache_config.cache_dtype != "auto":  # fp8 KV cache: scales are processed
+            return False
+        from vllm.model_executor.layers.attention import MLAAttention
+
+        return not any(isinstance(m, MLAAttention) for m in self.model_runner.get_model().modules())
 
     def _rlinfer_read_checkpoint(self, checkpoint_dtypes: bool) -> Iterable[Pair]:
         from vllm.model_executor.model_loader import get_model_loader
@@ -133,63 +160,79 @@ class RLInferWorkerExtension:
 
     def _rlinfer_apply(self, tensors: Sequence[Pair]) -> int:
         """Load ``tensors`` all-or-nothing; return how many were loaded."""
-        shadow = self._rlinfer_shadow
-        given = dict(tensors)
         self._rlinfer_check(tensors)
+        if self._rlinfer_shadow is None:
+            self._rlinfer_load_in_place(tensors)
+        else:
+            self._rlinfer_reload(tensors, self._rlinfer_shadow)
+        return len(tensors)
+
+    def _rlinfer_load_in_place(self, tensors: Sequence[Pair]) -> None:
+        import torch
+        from rlinfer_core.errors import WeightUpdateError
+
+        try:
+            self.model_runner.get_model().load_weights(iter(tensors))
+            # the sender frees (or reuses) its buffers once this call returns
+            torch.cuda.current_stream().synchronize()
+        except Exception as exc:
+            raise WeightUpdateError(
+                "vLLM failed while loading in place; the engine may hold a partial update: send a full one",
+                (f"{type(exc).__name__}: {exc}",),
+            ) from exc
+
+    def _rlinfer_reload(self, tensors: Sequence[Pair], shadow: dict[str, torch.Tensor]) -> None:
+        given = dict(tensors)
         full = len(given) == len(shadow)
         if full:
             items: list[Pair] = list(given.items())
         else:
-            self._rlinfer_sync_shadow()
+            self._rlinfer_sync_shadow(shadow)
             items = [(name, given.get(name, old)) for name, old in shadow.items()]
         try:
             self.reload_weights(weights_iterator=iter(items))  # type: ignore[attr-defined]
         except BaseException:
-            self._rlinfer_restore()
+            self._rlinfer_restore(shadow)
             raise
         for name, tensor in given.items():
             shadow[name].copy_(tensor)
         if full:
             self._rlinfer_shadow_dir = None  # every entry was just overwritten
-        return len(given)
 
     def _rlinfer_check(self, tensors: Sequence[Pair]) -> None:
-        """Names, shapes and dtypes against the shadow, before anything is loaded.
+        """Names, shapes and dtypes against the checkpoint's, before anything is loaded.
 
         The facade checked them already; this keeps the worker safe on its own, because a load
         that fails halfway leaves vLLM's layers half-rebuilt.
         """
         from rlinfer_core.errors import WeightUpdateError
 
-        shadow = self._rlinfer_shadow
         problems = []
         seen: set[str] = set()
         for name, tensor in tensors:
-            old = shadow.get(name)
+            want = self._rlinfer_specs.get(name)
             if name in seen:
                 problems.append(f"{name}: duplicate name in one update")
-            elif old is None:
+            elif want is None:
                 problems.append(f"{name}: unknown parameter name")
-            elif tuple(tensor.shape) != tuple(old.shape) or tensor.dtype != old.dtype:
-                problems.append(
-                    f"{name}: {tensor.dtype} {tuple(tensor.shape)} != expected {old.dtype} {tuple(old.shape)}"
-                )
+            elif (tensor.dtype, tuple(tensor.shape)) != want:
+                problems.append(f"{name}: {tensor.dtype} {tuple(tensor.shape)} != expected {want[0]} {want[1]}")
             seen.add(name)
         if problems:
             raise WeightUpdateError("weight update rejected by the vLLM worker", tuple(problems))
 
-    def _rlinfer_restore(self) -> None:
-        """After a load failed inside vLLM: unwind its layer-wise reload state, then reload the
+    def _rlinfer_restore(self, shadow: dict[str, torch.Tensor]) -> None:
+        """After a reload failed inside vLLM: unwind its layer-wise reload state, then reload the
         shadow (the weights served before the failed update)."""
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
         # finalize puts untouched layers' kernel tensors back and resets the per-layer state, so
         # that the next reload starts clean instead of skipping half-initialised layers
         finalize_layerwise_reload(self.model_runner.get_model(), self.vllm_config.model_config)
-        self._rlinfer_sync_shadow()
-        self.reload_weights(weights_iterator=iter(list(self._rlinfer_shadow.items())))  # type: ignore[attr-defined]
+        self._rlinfer_sync_shadow(shadow)
+        self.reload_weights(weights_iterator=iter(list(shadow.items())))  # type: ignore[attr-defined]
 
-    def _rlinfer_sync_shadow(self) -> None:
+    def _rlinfer_sync_shadow(self, shadow: dict[str, torch.Tensor]) -> None:
         """After a raw vLLM reload from disk, refresh the shadow from that directory."""
         path = self._rlinfer_shadow_dir
         if path is None:
@@ -197,6 +240,6 @@ class RLInferWorkerExtension:
         from rlinfer_core.transfer.disk import read_tensors
 
         for name, tensor in read_tensors(path):
-            if name in self._rlinfer_shadow:
-                self._rlinfer_shadow[name].copy_(tensor)
+            if name in shadow:
+                shadow[name].copy_(tensor)
         self._rlinfer_shadow_dir = None

@@ -86,13 +86,15 @@ def pack(
             target = torch.device(device) if device is not None else chunk[0][1].device
             total = sum(t.numel() * t.element_size() for _, t in chunk)
             data = torch.empty(total, dtype=torch.uint8, device=target)
-            entries = []
+            entries, sources, slots = [], [], []
             offset = 0
             for name, tensor in chunk:
                 raw = _as_bytes(tensor)
-                data[offset : offset + raw.numel()].copy_(raw)
+                sources.append(raw)
+                slots.append(data[offset : offset + raw.numel()])
                 entries.append(ManifestEntry(name, dtype_name(dtype), tuple(tensor.shape), offset, raw.numel()))
                 offset += raw.numel()
+            torch._foreach_copy_(slots, sources)  # a few kernels for the whole bucket on a GPU
             use_checksum = (target.type == "cpu") if with_checksum is None else with_checksum
             digest = checksum(data, total) if use_checksum else None
             buckets.append(Bucket(BucketManifest(dtype_name(dtype), total, tuple(entries), digest), data))

@@ -16,6 +16,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from rlinfer_core.weights import Bucket
+
+#: CUDA tensors travel in buckets of at most this many bytes (see :func:`pack_cuda`)
+CUDA_BUCKET_BYTES = 1 << 30
+
 
 def dumps(tensors: Sequence[tuple[str, torch.Tensor]]) -> bytes:
     """Serialize (name, tensor) pairs as shared-memory / CUDA-IPC handles."""
@@ -42,3 +47,18 @@ def loads(payload: bytes) -> list[tuple[str, torch.Tensor]]:
 
     result: list[tuple[str, torch.Tensor]] = pickle.loads(payload)
     return result
+
+
+def pack_cuda(tensors: Sequence[tuple[str, torch.Tensor]]) -> list[Bucket] | None:
+    """Pack CUDA tensors into per-dtype buckets (no checksum); None if any tensor is not on CUDA.
+
+    The receiver maps one CUDA-IPC handle per *allocation*, and opening one is a driver call
+    that costs far more than copying a tensor on the GPU; a trainer's state dict is hundreds of
+    separate allocations. Packing costs one device-to-device copy of the update and a transient
+    buffer of its size on the sender's GPU.
+    """
+    if not tensors or any(t.device.type != "cuda" for _, t in tensors):
+        return None
+    from rlinfer_core.transfer.buckets import pack
+
+    return pack(tensors, CUDA_BUCKET_BYTES, with_checksum=False)
