@@ -14,8 +14,10 @@
 # Writes at most 8 files to $OUT (what a run call can bring back).
 #
 # GPU defaults: the kit runs with memory release on and a logprob tolerance of 2e-3 (its CPU
-# default, 1e-5, is float32-on-CPU exact; float32 on GPU kernels measured 1.3e-4 - 5.3e-4), and
-# SGLang gets attention_backend=triton everywhere (the lean bundle prunes FlashAttention 3).
+# default, 1e-5, is float32-on-CPU exact; float32 on GPU kernels measured 1.3e-4 - 5.3e-4).
+# SGLang gets attention_backend=triton everywhere (the lean bundle prunes FlashAttention 3), and
+# its kit runs in bfloat16 (sgl_kernel's RMSNorm has no float32) at a tolerance of 3e-2 (bfloat16
+# vs the float32 oracle on the kit's model: 8e-3 on CPU).
 set -uo pipefail
 ENGINE=${1:?usage: run_suite.sh vllm|sglang [info model conformance bench weightsync]}
 shift
@@ -40,7 +42,7 @@ rc=0
 KIT_ARGS=(--rlinfer-config enable_memory_release=true --rlinfer-logprob-tol 2e-3)
 ENGINE_ARGS=()
 if [ "$ENGINE" = sglang ]; then
-  KIT_ARGS+=(--rlinfer-engine-arg attention_backend=triton)
+  KIT_ARGS+=(--rlinfer-engine-arg attention_backend=triton --rlinfer-config dtype=bfloat16 --rlinfer-logprob-tol 3e-2)
   ENGINE_ARGS+=(--engine-arg attention_backend=triton)
 fi
 
@@ -80,7 +82,7 @@ for s in "${STEPS[@]}"; do
     bench)
       # shellcheck disable=SC2086
       step bench "$OUT/bench-$ENGINE.log" rlinfer bench --backend "$ENGINE" --model "$MODEL" \
-        --dtype bfloat16 --prompts 128 --prompt-len 128 --max-tokens 256 --runs 5 \
+        --dtype bfloat16 --prompts 128 --prompt-len 128 --max-tokens 512 --runs 9 \
         --json-out "$OUT/bench-$ENGINE.json" "${ENGINE_ARGS[@]}" ${RLINFER_GPU_BENCH_ARGS:-}
       ;;
     weightsync)

@@ -50,9 +50,15 @@ EMPTY = Parity(0.0, 0, ())
 
 
 class Oracle:
-    """HF transformers models (float32, eval mode) keyed by name, e.g. "seed0", "seed1"."""
+    """HF transformers models (float32, eval mode) keyed by name, e.g. "seed0", "seed1".
 
-    def __init__(self) -> None:
+    ``weight_dtype``: the dtype :meth:`named_parameters` hands out (what the engine under test
+    serves, e.g. "bfloat16" where an engine's GPU kernels lack float32); the reference logits
+    are always float32.
+    """
+
+    def __init__(self, weight_dtype: str = "float32") -> None:
+        self.weight_dtype = weight_dtype
         self._models: dict[str, Any] = {}
         self._dirs: dict[str, Path] = {}
         self._tokenizer: Any = None
@@ -79,8 +85,12 @@ class Oracle:
         return self._tokenizer
 
     def named_parameters(self, key: str) -> list[tuple[str, torch.Tensor]]:
-        """HF checkpoint names and detached tensors of model ``key``."""
-        return [(n, p.detach().clone()) for n, p in self._models[key].named_parameters()]
+        """HF checkpoint names and detached copies of model ``key``'s tensors, in ``weight_dtype``."""
+        import torch
+
+        # "auto": the engine serves the checkpoint's dtypes, i.e. the oracle's own float32
+        dtype = torch.float32 if self.weight_dtype == "auto" else getattr(torch, self.weight_dtype)
+        return [(n, p.detach().to(dtype=dtype, copy=True)) for n, p in self._models[key].named_parameters()]
 
     def logits(self, key: str, token_ids: Sequence[int]) -> torch.Tensor:
         """Logits (float32, [len, vocab]) of model ``key`` over ``token_ids``."""

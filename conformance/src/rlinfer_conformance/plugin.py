@@ -176,11 +176,12 @@ def rlinfer_world(
     from rlinfer_conformance.world import BASE, OTHER, EventRecorder, KitWorld, default_config
 
     tmp = tmp_path_factory.mktemp("rlinfer-kit")
-    oracle = Oracle()
-    oracle.add(BASE, make_tiny_model(tmp / "model-seed0", seed=0))
+    base_dir = make_tiny_model(tmp / "model-seed0", seed=0)
+    config = default_config(base_dir, rlinfer_config_overrides)
+    oracle = Oracle(weight_dtype=config.dtype)
+    oracle.add(BASE, base_dir)
     oracle.add(OTHER, make_tiny_model(tmp / "model-seed1", seed=1))
     events = EventRecorder()
-    config = default_config(oracle.model_dir(BASE), rlinfer_config_overrides)
     started = time.perf_counter()
     engine = open_engine(rlinfer_backend, config, plugins=[events])
     rlinfer_report.timings["engine_start"] = time.perf_counter() - started

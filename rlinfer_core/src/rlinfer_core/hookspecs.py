@@ -191,7 +191,8 @@ def rlinfer_on_weights_updated(backend: str, version: int, transport: str, nbyte
 
 @hookspec
 def rlinfer_on_weight_update_failed(backend: str, transport: str, error: Exception) -> None:
-    """A weight update was rejected or failed; the old weights still serve."""
+    """A weight update was rejected (the old weights still serve) or failed while loading (the
+    error says whether the engine may hold a partial update)."""
 
 
 @hookspec

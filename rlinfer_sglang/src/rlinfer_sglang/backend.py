@@ -740,6 +740,7 @@ class SGLangBackend:
             if end is not None:
                 end_ok, end_message = await self._guard(tm.end_weight_update(end(), None))
         outcomes = [self._outcome(result, rank) for rank in range(self._tp_size)]
+        logger.debug("weight op %s: scheduler outcomes %s", control["op"], outcomes)
         failed = [o for o in outcomes if not o.get("ok")]
         if failed:
             partial = any(o.get("loaded") for o in failed)

@@ -20,6 +20,9 @@ enforce_eager                  disable_cuda_graph=True
 engine_kwargs                  passed through unchanged (they win)
 =============================  ===============================================================
 
+On CUDA, ``dtype="float32"`` is refused (InvalidRequest): sgl_kernel's RMSNorm has no float32
+kernel and the scheduler would die at start (seen with SGLang 0.5.16 on an H200).
+
 On CPU the backend also sets SGLang's native PyTorch paths: ``attention_backend="torch_native"``,
 ``sampling_backend="pytorch"``, ``disable_cuda_graph=True`` and, without a KV budget,
 ``mem_fraction_static=0.05`` of host memory.
@@ -102,6 +105,11 @@ def needs_context_override(config: EngineConfig) -> bool:
 
 def server_args(config: EngineConfig, platform: Platform) -> dict[str, Any]:
     """SGLang ``Engine(**kwargs)`` arguments for ``config`` on ``platform``."""
+    if platform == "cuda" and config.dtype == "float32":
+        # else the scheduler dies at start: "rmsnorm ... failed to dispatch data type Float"
+        raise InvalidRequest(
+            "dtype", "SGLang's CUDA kernels (sgl_kernel's RMSNorm) have no float32: use bfloat16 or float16"
+        )
     args: dict[str, Any] = {
         "model_path": config.model,
         "tokenizer_path": config.tokenizer or config.model,

@@ -24,6 +24,7 @@ the backend reads after the call.
 from __future__ import annotations
 
 import json
+import time
 import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -132,7 +133,9 @@ def load(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         if control["op"] == "join":
             _join(control)
         else:
+            started = time.perf_counter()
             tensors = _gather(model, control, list(named_tensors[1:]))
+            outcome["map_s"] = time.perf_counter() - started
             outcome["loaded"] = True  # from here on a failure may leave a partial update
             model.load_weights(tensors)
             if _device(model).type == "cuda":
@@ -140,6 +143,7 @@ def load(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
 
                 # the sender frees (or reuses) its buffers once this call returns
                 torch.cuda.current_stream().synchronize()
+            outcome["load_s"] = time.perf_counter() - started - outcome["map_s"]
         outcome.update(ok=True, error=None)
     except Exception as exc:  # reported to the caller through the result file
         outcome["error"] = f"{type(exc).__name__}: {exc}"

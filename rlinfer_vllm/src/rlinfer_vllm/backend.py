@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import pickle
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -54,6 +55,8 @@ from rlinfer_vllm.config import engine_args, resolve_platform
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
+
+logger = logging.getLogger(__name__)
 
 #: how long abort() keeps re-aborting requests that were not registered in vLLM yet
 ABORT_SETTLE_S = 2.0
@@ -358,32 +361,40 @@ class VllmBackend:
         source = update.source
         loop = asyncio.get_running_loop()
         try:
+            started = time.perf_counter()
             cuda_buckets = ipc.pack_cuda(source.tensors) if isinstance(source, NamedTensors) else None
             if cuda_buckets is not None:
-                await self._send_buckets(cuda_buckets)
+                worker = await self._send_buckets(cuda_buckets)
             elif isinstance(source, NamedTensors):
                 payload = await loop.run_in_executor(None, ipc.dumps, list(source.tensors))
-                await self._rpc("rlinfer_load_ipc", payload)
+                worker = await self._rpc("rlinfer_load_ipc", payload)
             elif isinstance(source, Buckets):
-                await self._send_buckets(source.buckets)
+                worker = await self._send_buckets(source.buckets)
             elif isinstance(source, CheckpointDir):
-                await self._rpc("rlinfer_load_dir", str(Path(source.path).resolve()))
+                worker = await self._rpc("rlinfer_load_dir", str(Path(source.path).resolve()))
             elif isinstance(source, BroadcastSource):
-                await self._rpc("rlinfer_load_broadcast", [(s.name, s.dtype, list(s.shape)) for s in source.specs])
+                specs = [(s.name, s.dtype, list(s.shape)) for s in source.specs]
+                worker = await self._rpc("rlinfer_load_broadcast", specs)
             else:
                 raise WeightUpdateError(f"unknown weight source {type(source).__name__}")
+            logger.debug(
+                "weight update: %.1f ms in the backend; worker: %s",
+                (time.perf_counter() - started) * 1e3,
+                {k: round(v * 1e3, 2) if k.endswith("_s") else v for k, v in worker.items()},
+            )
         except (RLInferError, asyncio.CancelledError):
             raise
         except Exception as exc:
             raise WeightUpdateError(f"vLLM failed to load the update: {exc}") from exc
 
-    async def _send_buckets(self, buckets: Sequence[Bucket]) -> None:
+    async def _send_buckets(self, buckets: Sequence[Bucket]) -> dict[str, float]:
         from rlinfer_core.transfer import ipc
 
         manifests = pickle.dumps([b.manifest for b in buckets])
         pairs = [(str(i), b.data) for i, b in enumerate(buckets)]
         payload = await asyncio.get_running_loop().run_in_executor(None, ipc.dumps, pairs)
-        await self._rpc("rlinfer_load_buckets", manifests, payload)
+        timings: dict[str, float] = await self._rpc("rlinfer_load_buckets", manifests, payload)
+        return timings
 
     @hookimpl
     async def rlinfer_init_weight_broadcast(self, group: BroadcastGroup) -> None:

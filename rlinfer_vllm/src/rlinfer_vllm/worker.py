@@ -34,6 +34,7 @@ update.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -98,13 +99,15 @@ class RLInferWorkerExtension:
 
     # --- transports ---------------------------------------------------------------------------
 
-    def rlinfer_load_ipc(self, payload: bytes) -> int:
+    def rlinfer_load_ipc(self, payload: bytes) -> dict[str, float]:
         """Load (name, tensor) pairs shared by :func:`rlinfer_core.transfer.ipc.dumps`."""
         from rlinfer_core.transfer import ipc
 
-        return self._rlinfer_apply(ipc.loads(payload))
+        started = time.perf_counter()
+        tensors = ipc.loads(payload)
+        return self._rlinfer_apply(tensors, map_s=time.perf_counter() - started)
 
-    def rlinfer_load_buckets(self, manifests: bytes, payload: bytes) -> int:
+    def rlinfer_load_buckets(self, manifests: bytes, payload: bytes) -> dict[str, float]:
         """Load core buckets: pickled manifests plus their data shared through ipc."""
         import pickle
 
@@ -112,17 +115,21 @@ class RLInferWorkerExtension:
         from rlinfer_core.transfer.buckets import unpack_all
         from rlinfer_core.weights import Bucket
 
+        started = time.perf_counter()
         metas = pickle.loads(manifests)
         datas = [t for _, t in ipc.loads(payload)]
         buckets = [Bucket(m, d) for m, d in zip(metas, datas, strict=True)]
         # the facade verified the checksums on these very bytes (same shared memory)
-        return self._rlinfer_apply(unpack_all(buckets, check=False))
+        tensors = unpack_all(buckets, check=False)
+        return self._rlinfer_apply(tensors, map_s=time.perf_counter() - started)
 
-    def rlinfer_load_dir(self, path: str) -> int:
+    def rlinfer_load_dir(self, path: str) -> dict[str, float]:
         """Load every tensor of a safetensors directory."""
         from rlinfer_core.transfer.disk import read_tensors
 
-        return self._rlinfer_apply(read_tensors(path))
+        started = time.perf_counter()
+        tensors = read_tensors(path)
+        return self._rlinfer_apply(tensors, map_s=time.perf_counter() - started)
 
     def rlinfer_join_group(self, fields: dict[str, Any]) -> int:
         """Join the trainer's broadcast group as rank 1 + this worker's rank."""
@@ -136,7 +143,7 @@ class RLInferWorkerExtension:
         self._rlinfer_group = create_group(group, rank=1 + int(self.rank))
         return 1 + int(self.rank)
 
-    def rlinfer_load_broadcast(self, specs: list[tuple[str, str, list[int]]]) -> int:
+    def rlinfer_load_broadcast(self, specs: list[tuple[str, str, list[int]]]) -> dict[str, float]:
         """Receive tensors from rank 0 in ``specs`` order, check them, then load them."""
         from rlinfer_core.errors import WeightUpdateError
         from rlinfer_core.transfer.broadcast import receive
@@ -146,11 +153,12 @@ class RLInferWorkerExtension:
         if self._rlinfer_group is None:
             raise WeightUpdateError("no broadcast group: call init_weight_broadcast first")
         device = "cpu" if self.vllm_config.device_config.device_type == "cpu" else self.device
+        started = time.perf_counter()
         tensors = receive(self._rlinfer_group, [TensorSpec(n, d, tuple(s)) for n, d, s in specs], device)
         problems = nonfinite_problems(tensors)
         if problems:
             raise WeightUpdateError("broadcast weights rejected", tuple(problems))
-        return self._rlinfer_apply(tensors)
+        return self._rlinfer_apply(tensors, map_s=time.perf_counter() - started)
 
     def rlinfer_shadow_from_dir(self, path: str) -> None:
         """Note that the engine now serves the checkpoint at ``path`` (loaded by vLLM itself)."""
@@ -158,14 +166,16 @@ class RLInferWorkerExtension:
 
     # --- loading ------------------------------------------------------------------------------
 
-    def _rlinfer_apply(self, tensors: Sequence[Pair]) -> int:
-        """Load ``tensors`` all-or-nothing; return how many were loaded."""
+    def _rlinfer_apply(self, tensors: Sequence[Pair], map_s: float) -> dict[str, float]:
+        """Load ``tensors`` all-or-nothing; return how many, and the seconds spent getting them
+        (``map_s``: mapping, reading or receiving) and loading them (``load_s``)."""
+        started = time.perf_counter()
         self._rlinfer_check(tensors)
         if self._rlinfer_shadow is None:
             self._rlinfer_load_in_place(tensors)
         else:
             self._rlinfer_reload(tensors, self._rlinfer_shadow)
-        return len(tensors)
+        return {"tensors": len(tensors), "map_s": map_s, "load_s": time.perf_counter() - started}
 
     def _rlinfer_load_in_place(self, tensors: Sequence[Pair]) -> None:
         import torch

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import attrs
 import pytest
 from rlinfer_core.discovery import get_backend
 from rlinfer_core.errors import BackendLoadError, InvalidRequest
@@ -142,3 +143,11 @@ def test_platform_resolution() -> None:
     assert resolve_platform(EngineConfig(model="/m", device="cpu"), "cuda") == "cpu"
     with pytest.raises(BackendLoadError, match="no NVIDIA GPU"):
         resolve_platform(EngineConfig(model="/m", device="cuda"), "cpu")
+
+
+def test_float32_on_cuda_is_refused_up_front(tmp_path: Path) -> None:
+    config = EngineConfig(model=str(tmp_path), dtype="float32")
+    with pytest.raises(InvalidRequest, match="float32"):
+        server_args(config, "cuda")
+    assert server_args(config, "cpu")["dtype"] == "float32"
+    assert server_args(attrs.evolve(config, dtype="bfloat16"), "cuda")["dtype"] == "bfloat16"

@@ -54,7 +54,8 @@ def test_weight_specs_match_hf_checkpoint(rlinfer_world: KitWorld) -> None:
     for name, spec in specs.items():
         assert spec.name == name
         assert tuple(spec.shape) == tuple(hf[name].shape), name
-        assert spec.dtype == "float32", f"{name}: {spec.dtype} (the kit runs the engine in float32)"
+        served = rlinfer_world.engine.async_engine.config.dtype
+        assert spec.dtype == served, f"{name}: {spec.dtype} (the kit runs the engine in {served})"
 
 
 @pytest.mark.hooks("rlinfer_check_health")

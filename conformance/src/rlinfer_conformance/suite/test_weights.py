@@ -10,7 +10,7 @@ from rlinfer_core.errors import WeightUpdateError
 from rlinfer_core.types import Capability, Completion, MemoryTag
 from rlinfer_core.weights import Bucket, BucketManifest, Buckets, CheckpointDir, NamedTensors
 
-from rlinfer_conformance.world import BASE, OTHER, KitWorld
+from rlinfer_conformance.world import BASE, LOGPROB_TOLERANCE, OTHER, KitWorld
 
 __all__ = [
     "test_update_to_second_model",
@@ -67,7 +67,8 @@ def test_transports_give_identical_engines(rlinfer_base_weights: KitWorld) -> No
         world.update(transport, BASE)
         world.update(transport, OTHER)
         delta = _same(reference, _snapshot(world))
-        assert delta <= 1e-6, f"{transport.value} vs buckets: max |dlogprob| {delta}"
+        # the same weights: 10x tighter than engine vs oracle (1e-6 at the CPU tolerance)
+        assert delta <= LOGPROB_TOLERANCE / 10, f"{transport.value} vs buckets: max |dlogprob| {delta}"
         world.report.record_parity(f"buckets_vs_{transport.value}", delta, 0, 0)
 
 
