@@ -23,7 +23,8 @@ T = TypeVar("T")
 
 #: the parity tolerance on per-token logprobs (float32 on CPU)
 #: float32 on CPU matches the oracle to ~1e-6; GPU kernels need --rlinfer-logprob-tol (e.g. 1e-3)
-LOGPROB_TOLERANCE = float(os.environ.get("RLINFER_LOGPROB_TOL", "1e-5"))
+DEFAULT_LOGPROB_TOLERANCE = 1e-5
+LOGPROB_TOLERANCE = float(os.environ.get("RLINFER_LOGPROB_TOL", str(DEFAULT_LOGPROB_TOLERANCE)))
 #: every kit operation that runs in a helper thread is bounded by this
 OP_TIMEOUT_S = 120.0
 #: small buckets so that a tiny model still spans several of them

@@ -9,7 +9,7 @@ import pytest
 from rlinfer_core.types import Capability, Completion, FinishReason, GenerateRequest, PauseMode, SamplingParams
 
 from rlinfer_conformance.checks import check_batch
-from rlinfer_conformance.world import OP_TIMEOUT_S, KitWorld
+from rlinfer_conformance.world import DEFAULT_LOGPROB_TOLERANCE, LOGPROB_TOLERANCE, OP_TIMEOUT_S, KitWorld
 
 __all__ = [
     "test_abort_returns_partial_tokens",
@@ -120,5 +120,8 @@ def test_pause_keep(rlinfer_world: KitWorld) -> None:
 def test_reset_prefix_cache(rlinfer_world: KitWorld) -> None:
     before = rlinfer_world.generate_and_check(None)
     rlinfer_world.engine.reset_prefix_cache()
-    after = rlinfer_world.generate_and_check(None)
-    assert [c.token_ids for c in before] == [c.token_ids for c in after]
+    after = rlinfer_world.generate_and_check(None)  # still matches the oracle after the reset
+    if LOGPROB_TOLERANCE <= DEFAULT_LOGPROB_TOLERANCE:
+        # exact kernels (the CPU default): recomputing the prefix gives the very same tokens; at a
+        # GPU tolerance a cache hit and a recompute may break a near-tie differently
+        assert [c.token_ids for c in before] == [c.token_ids for c in after]

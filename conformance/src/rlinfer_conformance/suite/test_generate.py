@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from rlinfer_core.types import Capability, ChatMessage, FinishReason, GenerateRequest, SamplingParams
 
 from rlinfer_conformance.checks import check_batch, parity_applies
+from rlinfer_conformance.oracle import tie_tolerance
 from rlinfer_conformance.strategies import valid_requests
 from rlinfer_conformance.world import LOGPROB_TOLERANCE, KitWorld
 
@@ -212,9 +213,12 @@ def test_top_logprobs_match_oracle(rlinfer_world: KitWorld) -> None:
         want = rlinfer_world.oracle.top_logprobs(rlinfer_world.current, c.prompt_token_ids, c.token_ids, k)
         for got_row, want_row in zip(c.top_logprobs, want, strict=True):
             assert len(got_row) >= k
+            floor = min(got_row.values())
             for token, value in want_row.items():
-                assert token in got_row, (token, got_row, want_row)
-                assert abs(got_row[token] - value) <= LOGPROB_TOLERANCE
+                if token in got_row:
+                    assert abs(got_row[token] - value) <= LOGPROB_TOLERANCE, (token, got_row, want_row)
+                else:  # only a near-tie at the k-th place may change which token makes the cut
+                    assert value <= floor + tie_tolerance(), (token, got_row, want_row)
 
 
 @pytest.mark.requires(Capability.STOP_STRINGS)
