@@ -147,7 +147,7 @@ def breakdown(engine: Any, tensors: list[tuple[str, Any]], nbytes: int, repeats:
 
 
 class UpdateTimes:
-    """rlinfer event plugin: the backend's share of each weight update (the facade's event)."""
+    """rlinfer event plugin: each weight update's seconds after validation (the facade's event)."""
 
     def __init__(self) -> None:
         self.seconds: list[float] = []
@@ -246,7 +246,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             }
             update["weight_version"] = engine.weight_version
             update["breakdown"] = breakdown(engine, a, nbytes, args.repeats)
-            # pack + transfer + load inside the backend (no validation, no prefix-cache reset)
+            # the facade's event: everything after validation (pack, transfer, load, prefix reset)
             update["breakdown"]["backend_s"] = statistics.median(update_times.seconds)
             after_a = tokens()
             update["sanity"] = {
@@ -327,7 +327,7 @@ def summary(result: dict[str, Any]) -> str:
         b = u["breakdown"]
         lines.append(
             f"parts: validate {b['validate_s'] * 1e3:.1f} ms, pack for IPC {b['pack_for_ipc_s'] * 1e3:.1f} ms, "
-            f"backend {b['backend_s'] * 1e3:.1f} ms, "
+            f"backend + prefix reset {b['backend_s'] * 1e3:.1f} ms, "
             f"d2d copy floor {b['d2d_copy_floor_s'] * 1e3:.2f} ms ({b['d2d_copy_floor_gb_per_s']:.0f} GB/s)"
         )
     lines += [f"ERROR {e}" for e in result.get("errors", [])]
