@@ -7,9 +7,9 @@ path, or over the broadcast group.
 
 Two ways of loading, chosen once per worker (:meth:`RLInferWorkerExtension.rlinfer_init`):
 
-*In place* (CUDA, unquantized, no MLA attention): the model's own ``load_weights`` copies each
-tensor into its parameter slice (a ``q_proj`` tensor into its rows of ``qkv_proj``), so partial
-updates need nothing else and the copies stay on the GPU. This is what RL trainers on vLLM do;
+*In place* (CUDA, unquantized, no MLA attention, KV cache in the model's dtype): the model's own
+``load_weights`` copies each tensor into its parameter slice (a ``q_proj`` tensor into its rows of
+``qkv_proj``), so partial updates need nothing else and the copies stay on the GPU. This is what RL trainers on vLLM do;
 rlinfer adds the checks. Nothing is written before every name, shape and dtype was checked (the
 facade also checked finiteness); an error inside vLLM after that (a CUDA fault) may leave a
 partial update and is reported as such.
