@@ -8,7 +8,6 @@ must be the argmax (up to exact ties), and each token's logprob must equal
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,10 +22,11 @@ if TYPE_CHECKING:
 TIE_TOLERANCE = 1e-4
 
 
-def tie_tolerance() -> float:
-    """The argmax tie band: an engine whose logits may be off by the logprob tolerance ``tol``
-    (``--rlinfer-logprob-tol``, e.g. for GPU kernels) may swap two logits closer than 2 * tol."""
-    return max(TIE_TOLERANCE, 2 * float(os.environ.get("RLINFER_LOGPROB_TOL", "0")))
+def tie_band(logprob_tolerance: float) -> float:
+    """The argmax tie band for a logprob tolerance ``tol`` (``--rlinfer-logprob-tol``, e.g. for
+    GPU kernels): an engine whose logits may be off by ``tol`` may swap two logits closer than
+    2 * tol."""
+    return max(TIE_TOLERANCE, 2 * logprob_tolerance)
 
 
 @attrs.frozen
@@ -54,11 +54,12 @@ class Oracle:
 
     ``weight_dtype``: the dtype :meth:`named_parameters` hands out (what the engine under test
     serves, e.g. "bfloat16" where an engine's GPU kernels lack float32); the reference logits
-    are always float32.
+    are always float32. ``tie_tolerance``: logits closer than this count as a tie (:func:`tie_band`).
     """
 
-    def __init__(self, weight_dtype: str = "float32") -> None:
+    def __init__(self, weight_dtype: str = "float32", tie_tolerance: float = TIE_TOLERANCE) -> None:
         self.weight_dtype = weight_dtype
+        self.tie_tolerance = tie_tolerance
         self._models: dict[str, Any] = {}
         self._dirs: dict[str, Path] = {}
         self._tokenizer: Any = None
@@ -132,7 +133,7 @@ class Oracle:
         engine = torch.tensor(completion.logprobs, dtype=torch.float64)
         delta = float((picked - engine).abs().max()) if len(engine) == len(tokens) else float("inf")
         mismatches = []
-        tie = tie_tolerance()
+        tie = self.tie_tolerance
         if s.greedy:
             for i, token in enumerate(tokens):
                 best = int(logits[i].argmax())

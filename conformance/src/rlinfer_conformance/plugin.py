@@ -172,13 +172,13 @@ def rlinfer_world(
     from rlinfer_core.engine import open_engine
     from rlinfer_core.tiny_model import make_tiny_model
 
-    from rlinfer_conformance.oracle import Oracle
-    from rlinfer_conformance.world import BASE, OTHER, EventRecorder, KitWorld, default_config
+    from rlinfer_conformance.oracle import Oracle, tie_band
+    from rlinfer_conformance.world import BASE, LOGPROB_TOLERANCE, OTHER, EventRecorder, KitWorld, default_config
 
     tmp = tmp_path_factory.mktemp("rlinfer-kit")
     base_dir = make_tiny_model(tmp / "model-seed0", seed=0)
     config = default_config(base_dir, rlinfer_config_overrides)
-    oracle = Oracle(weight_dtype=config.dtype)
+    oracle = Oracle(weight_dtype=config.dtype, tie_tolerance=tie_band(LOGPROB_TOLERANCE))
     oracle.add(BASE, base_dir)
     oracle.add(OTHER, make_tiny_model(tmp / "model-seed1", seed=1))
     events = EventRecorder()

@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 from rlinfer_core.types import Capability, ChatMessage, FinishReason, GenerateRequest, SamplingParams
 
 from rlinfer_conformance.checks import check_batch, parity_applies
-from rlinfer_conformance.oracle import tie_tolerance
 from rlinfer_conformance.strategies import valid_requests
 from rlinfer_conformance.world import LOGPROB_TOLERANCE, KitWorld
 
@@ -218,7 +217,7 @@ def test_top_logprobs_match_oracle(rlinfer_world: KitWorld) -> None:
                 if token in got_row:
                     assert abs(got_row[token] - value) <= LOGPROB_TOLERANCE, (token, got_row, want_row)
                 else:  # only a near-tie at the k-th place may change which token makes the cut
-                    assert value <= floor + tie_tolerance(), (token, got_row, want_row)
+                    assert value <= floor + rlinfer_world.oracle.tie_tolerance, (token, got_row, want_row)
 
 
 @pytest.mark.requires(Capability.STOP_STRINGS)
