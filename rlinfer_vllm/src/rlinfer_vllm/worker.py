@@ -68,9 +68,12 @@ class RLInferWorkerExtension:
         what a trainer holds and a checkpoint directory contains; vLLM casts on load) instead of
         the served dtype.
         """
-        checkpoint = dict(self._rlinfer_read_checkpoint(checkpoint_dtypes))
-        self._rlinfer_specs = {name: (t.dtype, tuple(t.shape)) for name, t in checkpoint.items()}
-        self._rlinfer_shadow = None if self.rlinfer_loads_in_place() else checkpoint
+        self._rlinfer_specs = {}
+        self._rlinfer_shadow = None if self.rlinfer_loads_in_place() else {}
+        for name, tensor, dtype in self._rlinfer_read_checkpoint(checkpoint_dtypes):
+            self._rlinfer_specs[name] = (dtype, tuple(tensor.shape))
+            if self._rlinfer_shadow is not None:  # only the reload mode keeps the weights
+                self._rlinfer_shadow[name] = tensor.to(device="cpu", dtype=dtype).clone()
         self._rlinfer_shadow_dir = None
         self._rlinfer_group = None
         specs = self._rlinfer_specs.items()
@@ -87,7 +90,8 @@ class RLInferWorkerExtension:
 
         return not any(isinstance(m, MLAAttention) for m in self.model_runner.get_model().modules())
 
-    def _rlinfer_read_checkpoint(self, checkpoint_dtypes: bool) -> Iterable[Pair]:
+    def _rlinfer_read_checkpoint(self, checkpoint_dtypes: bool) -> Iterable[tuple[str, torch.Tensor, torch.dtype]]:
+        """(name, tensor as read, dtype rlinfer expects updates in) for every checkpoint tensor."""
         from vllm.model_executor.model_loader import get_model_loader
 
         model_config = self.vllm_config.model_config
@@ -95,7 +99,7 @@ class RLInferWorkerExtension:
         served = model_config.dtype
         for name, tensor in loader.get_all_weights(model_config, self.model_runner.get_model()):
             dtype = tensor.dtype if checkpoint_dtypes or not tensor.is_floating_point() else served
-            yield name, tensor.to(device="cpu", dtype=dtype).clone()
+            yield name, tensor, dtype
 
     # --- transports ---------------------------------------------------------------------------
 
