@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Coroutine, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import attrs
 import pluggy
 
 from rlinfer_core import hookspecs
+from rlinfer_core.admission import Admission
+from rlinfer_core.checksum import WeightChecksum, WeightVerification
 from rlinfer_core.discovery import BackendInfo, get_backend, plugin_objects
 from rlinfer_core.errors import (
     EngineDead,
@@ -32,6 +33,7 @@ from rlinfer_core.errors import (
     WeightUpdateError,
 )
 from rlinfer_core.model_info import ModelInfo
+from rlinfer_core.observers import Observers
 from rlinfer_core.types import (
     ALL_MEMORY_TAGS,
     PAUSE_CAPABILITY,
@@ -109,17 +111,24 @@ def as_memory_tags(tags: Iterable[MemoryTag | str] | MemoryTag | str | None) -> 
 class AsyncEngine:
     """One running engine behind the rlinfer contract. Build it with :meth:`open`."""
 
-    def __init__(self, info: BackendInfo, backend: Any, config: EngineConfig, plugins: Sequence[Any]) -> None:
+    def __init__(
+        self,
+        info: BackendInfo,
+        backend: Any,
+        config: EngineConfig,
+        plugins: Sequence[Any] = (),
+        entry_point_plugins: Sequence[Any] = (),
+    ) -> None:
         self.backend_name = info.name
         self.config = config
         self._info = info
         self._backend = backend
+        # operation hooks: the backend alone; observers live apart and cannot take them over
         self._pm = pluggy.PluginManager(hookspecs.PROJECT)
         self._pm.add_hookspecs(hookspecs)
         self._pm.register(backend, name=f"backend:{info.name}")
-        for plugin in plugins:
-            self._pm.register(plugin)
-        self._pm.check_pending()
+        self._observers = Observers(plugins, entry_point_plugins)
+        self._admission = Admission()
         self._version = 0
         self._released: set[MemoryTag] = set()
         self._weight_lock = asyncio.Lock()
@@ -152,7 +161,7 @@ class AsyncEngine:
             config = attrs.evolve(config, **config_fields)
         info = get_backend(backend)
         extra = plugin_objects() if load_entry_point_plugins else []
-        engine = cls(info, info.create(config), config, [*extra, *plugins])
+        engine = cls(info, info.create(config), config, plugins, extra)
         started = time.perf_counter()
         try:
             await engine._with_timeout(engine._op("rlinfer_start", config=config), config.startup_timeout_s, "start")
@@ -161,8 +170,11 @@ class AsyncEngine:
         except BaseException:
             await engine._shutdown_quietly()
             raise
-        engine._pm.hook.rlinfer_on_engine_started(
-            backend=info.name, capabilities=engine.capabilities, seconds=time.perf_counter() - started
+        engine._observers.emit(
+            "rlinfer_on_engine_started",
+            backend=info.name,
+            capabilities=engine.capabilities,
+            seconds=time.perf_counter() - started,
         )
         return engine
 
@@ -180,7 +192,7 @@ class AsyncEngine:
         try:
             await self._with_timeout(self._op("rlinfer_shutdown"), 120.0, "shutdown")
         finally:
-            self._pm.hook.rlinfer_on_engine_shutdown(backend=self.backend_name)
+            self._observers.emit("rlinfer_on_engine_shutdown", backend=self.backend_name)
 
     async def _shutdown_quietly(self) -> None:
         with contextlib.suppress(Exception):  # best effort; the start error is what matters
@@ -220,30 +232,49 @@ class AsyncEngine:
         if not batch:
             return []
         started = time.perf_counter()
+        ids = [r.request_id for r in batch]
         try:
-            completions = await self._with_timeout(
-                self._op("rlinfer_generate", requests=batch),
-                self.config.request_timeout_s,
-                "generate",
-                on_timeout=lambda: self._abort_quietly([r.request_id for r in batch]),
-            )
+            async with self._admission.admit(ids, self.config.request_timeout_s):
+                completions = await self._with_timeout(
+                    self._op("rlinfer_generate", requests=batch),
+                    self.config.request_timeout_s,
+                    "generate",
+                    on_timeout=lambda: self._abort_quietly(ids),
+                )
         except RLInferError:
             raise
         except Exception as exc:
             await self._raise_if_dead(exc)
             raise
-        version = self._version
-        stamped = [attrs.evolve(c, weight_version=version) for c in completions]
-        self._pm.hook.rlinfer_on_generate_done(
-            backend=self.backend_name, requests=batch, completions=stamped, seconds=time.perf_counter() - started
+        stamped = [self._stamp(c) for c in completions]
+        self._observers.emit(
+            "rlinfer_on_generate_done",
+            backend=self.backend_name,
+            requests=batch,
+            completions=stamped,
+            seconds=time.perf_counter() - started,
         )
         return stamped
+
+    def _stamp(self, completion: Completion) -> Completion:
+        """Fill ``token_versions`` where a backend left them out (exact when no update overlapped
+        the request) and set ``weight_version`` to the newest token's version."""
+        versions = completion.token_versions
+        if versions is None:
+            versions = (self._version,) * len(completion.token_ids)
+        newest = max(versions) if versions else self._version
+        return attrs.evolve(completion, token_versions=tuple(versions), weight_version=newest)
 
     async def stream(self, request: GenerateRequest) -> AsyncIterator[CompletionDelta]:
         """Stream one request's deltas; they concatenate to the batch result."""
         self.capabilities.require(Capability.STREAM)
         self._validate_request(request)
-        iterator = self._pm.hook.rlinfer_generate_stream(request=request)
+        async with self._admission.admit([request.request_id], self.config.request_timeout_s):
+            async for delta in self._stream_admitted(request):
+                yield delta
+
+    async def _stream_admitted(self, request: GenerateRequest) -> AsyncIterator[CompletionDelta]:
+        iterator = self._op("rlinfer_generate_stream", request=request)
         deadline = time.monotonic() + self.config.request_timeout_s
         try:
             while True:
@@ -258,9 +289,14 @@ class AsyncEngine:
                         f"stream of {request.request_id!r} exceeded request_timeout_s="
                         f"{self.config.request_timeout_s}; the request was aborted"
                     ) from None
-                yield attrs.evolve(delta, weight_version=self._version)
+                versions = delta.token_versions
+                if versions is None:
+                    versions = (self._version,) * len(delta.token_ids)
+                yield attrs.evolve(
+                    delta, token_versions=tuple(versions), weight_version=max(versions, default=self._version)
+                )
         finally:
-            await iterator.aclose()
+            await iterator.aclose()  # type: ignore[attr-defined]
 
     async def abort(self, request_ids: Sequence[str] | str | None = None) -> None:
         """Abort requests (``None``: all in flight); their callers get partial tokens, "abort"."""
@@ -277,12 +313,33 @@ class AsyncEngine:
         except ValueError:
             raise InvalidRequest("mode", f"must be one of {[m.value for m in PauseMode]}, got {mode!r}") from None
         self.capabilities.require(PAUSE_CAPABILITY[pause_mode])
-        await self._with_timeout(self._op("rlinfer_pause", mode=pause_mode), self.config.request_timeout_s, "pause")
+        # Every request handed to generate/stream before this call is covered by the mode, even
+        # one the engine has not registered yet: new ones wait at the gate until resume().
+        self._admission.close_gate()
+        try:
+            if pause_mode is PauseMode.WAIT:
+                await self._with_timeout(self._admission.drained(), self.config.request_timeout_s, "pause(wait)")
+            await self._with_timeout(self._op("rlinfer_pause", mode=pause_mode), self.config.request_timeout_s, "pause")
+            if pause_mode is PauseMode.ABORT and self._admission.in_flight:
+                await self._with_timeout(
+                    self._op("rlinfer_abort", request_ids=sorted(self._admission.in_flight)), 60.0, "pause(abort)"
+                )
+        except BaseException:
+            self._admission.open_gate()
+            raise
 
     async def resume(self) -> None:
         """Resume generation after :meth:`pause`."""
         self._ensure_open()
-        await self._with_timeout(self._op("rlinfer_resume"), 60.0, "resume")
+        try:
+            await self._with_timeout(self._op("rlinfer_resume"), 60.0, "resume")
+        finally:
+            self._admission.open_gate()
+
+    @property
+    def in_flight(self) -> frozenset[str]:
+        """Request ids handed to generate/stream that have not returned yet."""
+        return self._admission.in_flight
 
     def _validate_request(self, request: GenerateRequest) -> None:
         self._ensure_open()
@@ -302,9 +359,15 @@ class AsyncEngine:
                 raise InvalidRequest(
                     "prompt_token_ids", f"item {i} must be < vocab_size ({info.vocab_size}), got {token}"
                 )
-        for token in request.sampling.stop_token_ids:
-            if token >= info.vocab_size:
-                raise InvalidRequest("stop_token_ids", f"must be < vocab_size ({info.vocab_size}), got {token}")
+        sampling = request.sampling
+        for field, tokens in (
+            ("stop_token_ids", sampling.stop_token_ids),
+            ("logit_bias", [t for t, _ in sampling.logit_bias]),
+            ("allowed_token_ids", sampling.allowed_token_ids or ()),
+        ):
+            for token in tokens:
+                if token >= info.vocab_size:
+                    raise InvalidRequest(field, f"token ids must be < vocab_size ({info.vocab_size}), got {token}")
         if len(request.prompt_token_ids) >= info.max_model_len:
             raise InvalidRequest(
                 "prompt_token_ids",
@@ -345,7 +408,7 @@ class AsyncEngine:
                 started = time.perf_counter()
                 try:
                     await self._with_timeout(
-                        self._op("rlinfer_update_weights", update=update),
+                        self._op("rlinfer_update_weights", update=attrs.evolve(update, version=target)),
                         self.config.request_timeout_s,
                         "update_weights",
                     )
@@ -357,9 +420,12 @@ class AsyncEngine:
                 self._version = target
                 await self._reset_prefix_cache()
             except Exception as exc:
-                self._pm.hook.rlinfer_on_weight_update_failed(backend=self.backend_name, transport=transport, error=exc)
+                self._observers.emit(
+                    "rlinfer_on_weight_update_failed", backend=self.backend_name, transport=transport, error=exc
+                )
                 raise
-        self._pm.hook.rlinfer_on_weights_updated(
+        self._observers.emit(
+            "rlinfer_on_weights_updated",
             backend=self.backend_name,
             version=target,
             transport=transport,
@@ -379,6 +445,34 @@ class AsyncEngine:
         await self._with_timeout(
             self._op("rlinfer_init_weight_broadcast", group=group), group.timeout_s + 30.0, "init_weight_broadcast"
         )
+
+    async def weights_checksum(self) -> Mapping[str, WeightChecksum]:
+        """Checksums of every tensor the engine serves, computed inside the engine (HF names)."""
+        self._ensure_open()
+        self.capabilities.require(Capability.WEIGHTS_CHECKSUM)
+        if MemoryTag.WEIGHTS in self._released:
+            raise InvalidRequest("engine_state", "weights are released; call resume_memory(['weights']) first")
+        result: Mapping[str, WeightChecksum] = await self._with_timeout(
+            self._op("rlinfer_weights_checksum"), self.config.request_timeout_s, "weights_checksum"
+        )
+        return result
+
+    async def verify_weights(self, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> WeightVerification:
+        """Compare what the engine serves with the trainer's ``tensors`` (bit for bit, in the dtype
+        the engine holds). A tied output head is checked against the embedding it is tied to."""
+        from rlinfer_core.checksum import verify
+
+        served = await self.weights_checksum()
+        tied = self.model_info.tied_weights if self.model_info is not None else {}
+        return verify(served, tensors, tied)
+
+    def engine_processes(self) -> Mapping[str, int]:
+        """The engine's child processes now running, ``{role: pid}``."""
+        self._ensure_open()
+        result: Mapping[str, int] | None = self._pm.hook.rlinfer_engine_processes()
+        if result is None:
+            raise UnsupportedCapability("engine_processes", self.backend_name, "the backend does not report them")
+        return result
 
     async def reset_prefix_cache(self) -> None:
         """Drop cached prefixes (done automatically after every weight update)."""
@@ -404,8 +498,8 @@ class AsyncEngine:
         started = time.perf_counter()
         await self._with_timeout(self._op("rlinfer_release_memory", tags=todo), 300.0, "release_memory")
         self._released |= todo
-        self._pm.hook.rlinfer_on_memory_released(
-            backend=self.backend_name, tags=todo, seconds=time.perf_counter() - started
+        self._observers.emit(
+            "rlinfer_on_memory_released", backend=self.backend_name, tags=todo, seconds=time.perf_counter() - started
         )
 
     async def resume_memory(self, tags: Iterable[MemoryTag | str] | MemoryTag | str | None = None) -> None:
@@ -419,8 +513,8 @@ class AsyncEngine:
         started = time.perf_counter()
         await self._with_timeout(self._op("rlinfer_resume_memory", tags=todo), 300.0, "resume_memory")
         self._released -= todo
-        self._pm.hook.rlinfer_on_memory_resumed(
-            backend=self.backend_name, tags=todo, seconds=time.perf_counter() - started
+        self._observers.emit(
+            "rlinfer_on_memory_resumed", backend=self.backend_name, tags=todo, seconds=time.perf_counter() - started
         )
 
     # --- benchmarking --------------------------------------------------------------------------
@@ -479,125 +573,7 @@ class AsyncEngine:
             raise EngineDead(f"engine {self.backend_name!r} stopped answering after: {exc}") from exc
 
 
-class Engine:
-    """Synchronous wrapper around :class:`AsyncEngine` for scripts and notebooks.
+# the sync wrapper lives in its own module; importable from here as before
+from rlinfer_core.sync_engine import Engine, open_engine  # noqa: E402
 
-    The async engine runs in its own event-loop thread; every method blocks until done.
-    """
-
-    def __init__(self, async_engine: AsyncEngine, loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
-        self.async_engine = async_engine
-        self._loop = loop
-        self._thread = thread
-
-    @classmethod
-    def open(cls, backend: str, config: EngineConfig | None = None, **kwargs: Any) -> Engine:
-        """Start an engine (see :meth:`AsyncEngine.open` for the arguments)."""
-        loop = asyncio.new_event_loop()
-        thread = threading.Thread(target=loop.run_forever, name="rlinfer-engine-loop", daemon=True)
-        thread.start()
-        try:
-            engine = asyncio.run_coroutine_threadsafe(AsyncEngine.open(backend, config, **kwargs), loop).result()
-        except BaseException:
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(timeout=10)
-            raise
-        return cls(engine, loop, thread)
-
-    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
-    def __enter__(self) -> Engine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
-
-    @property
-    def capabilities(self) -> Capabilities:
-        """See :attr:`AsyncEngine.capabilities`."""
-        return self.async_engine.capabilities
-
-    @property
-    def weight_version(self) -> int:
-        """See :attr:`AsyncEngine.weight_version`."""
-        return self.async_engine.weight_version
-
-    @property
-    def weight_specs(self) -> Mapping[str, TensorSpec]:
-        """See :attr:`AsyncEngine.weight_specs`."""
-        return self.async_engine.weight_specs
-
-    @property
-    def model_info(self) -> ModelInfo | None:
-        """See :attr:`AsyncEngine.model_info`."""
-        return self.async_engine.model_info
-
-    def generate(self, requests: GenerateRequest | Sequence[GenerateRequest]) -> list[Completion]:
-        """See :meth:`AsyncEngine.generate`."""
-        return self._run(self.async_engine.generate(requests))
-
-    def stream(self, request: GenerateRequest) -> Iterator[CompletionDelta]:
-        """See :meth:`AsyncEngine.stream`."""
-        iterator = self.async_engine.stream(request)
-        try:
-            while True:
-                try:
-                    yield self._run(anext(iterator))  # type: ignore[arg-type]
-                except StopAsyncIteration:
-                    return
-        finally:
-            self._run(iterator.aclose())  # type: ignore[attr-defined]
-
-    def abort(self, request_ids: Sequence[str] | str | None = None) -> None:
-        """See :meth:`AsyncEngine.abort`."""
-        self._run(self.async_engine.abort(request_ids))
-
-    def pause(self, mode: PauseMode | str = PauseMode.ABORT) -> None:
-        """See :meth:`AsyncEngine.pause`."""
-        self._run(self.async_engine.pause(mode))
-
-    def resume(self) -> None:
-        """See :meth:`AsyncEngine.resume`."""
-        self._run(self.async_engine.resume())
-
-    def update_weights(
-        self, update: WeightUpdate | WeightSource | Mapping[str, Any], *, version: int | None = None
-    ) -> int:
-        """See :meth:`AsyncEngine.update_weights`."""
-        return self._run(self.async_engine.update_weights(update, version=version))
-
-    def init_weight_broadcast(self, group: BroadcastGroup) -> None:
-        """See :meth:`AsyncEngine.init_weight_broadcast`."""
-        self._run(self.async_engine.init_weight_broadcast(group))
-
-    def release_memory(self, tags: Iterable[MemoryTag | str] | MemoryTag | str | None = None) -> None:
-        """See :meth:`AsyncEngine.release_memory`."""
-        self._run(self.async_engine.release_memory(tags))
-
-    def resume_memory(self, tags: Iterable[MemoryTag | str] | MemoryTag | str | None = None) -> None:
-        """See :meth:`AsyncEngine.resume_memory`."""
-        self._run(self.async_engine.resume_memory(tags))
-
-    def reset_prefix_cache(self) -> None:
-        """See :meth:`AsyncEngine.reset_prefix_cache`."""
-        self._run(self.async_engine.reset_prefix_cache())
-
-    def check_health(self) -> None:
-        """See :meth:`AsyncEngine.check_health`."""
-        self._run(self.async_engine.check_health())
-
-    def shutdown(self) -> None:
-        """Stop the engine and the loop thread. Safe to call twice."""
-        if not self._thread.is_alive():
-            return
-        try:
-            self._run(self.async_engine.shutdown())
-        finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=30)
-
-
-def open_engine(backend: str, config: EngineConfig | None = None, **kwargs: Any) -> Engine:
-    """Start a synchronous :class:`Engine`; ``AsyncEngine.open`` is the async twin."""
-    return Engine.open(backend, config, **kwargs)
+__all__ = ["AsyncEngine", "Engine", "open_engine", "request_capabilities", "transport_name"]

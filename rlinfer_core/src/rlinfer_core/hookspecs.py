@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
+    from rlinfer_core.checksum import WeightChecksum
     from rlinfer_core.model_info import ModelInfo
     from rlinfer_core.types import (
         Capabilities,
@@ -69,6 +70,13 @@ def rlinfer_check_health() -> Awaitable[None]:
 
 
 @hookspec(firstresult=True)
+def rlinfer_engine_processes() -> Mapping[str, int]:
+    """The engine's child processes now running, as ``{role: pid}`` (e.g. ``"EngineCore"``,
+    ``"Worker-0"``, ``"scheduler"``, ``"detokenizer"``); sync. The kit kills each in turn and
+    expects :class:`~rlinfer_core.errors.EngineDead` from the next call."""
+
+
+@hookspec(firstresult=True)
 def rlinfer_shutdown() -> Awaitable[None]:
     """Stop the engine and every process it started; must be safe to call twice."""
 
@@ -81,9 +89,14 @@ def rlinfer_generate(requests: Sequence[GenerateRequest]) -> Awaitable[list[Comp
     """Run a batch to completion.
 
     Returns ``n`` completions per request, ordered by request, then by sample index. Each
-    completion's ``logprobs`` are those of the sampled tokens under the sampling distribution
-    (temperature-scaled). A request aborted meanwhile returns its partial tokens with
-    finish_reason ``abort``. ``weight_version`` is stamped by the facade.
+    completion's ``logprobs`` are those of the sampled tokens in the request's
+    :class:`~rlinfer_core.types.LogprobsMode`. A request aborted meanwhile returns its partial
+    tokens with finish_reason ``abort``.
+
+    ``token_versions``: the weight version that produced each token. The backend starts at
+    version 0 and learns each new version from :func:`rlinfer_update_weights`
+    (``update.version``); a token computed by an engine step after that update was loaded carries
+    the new version. The facade derives ``weight_version`` from them.
     """
 
 
@@ -127,6 +140,19 @@ def rlinfer_update_weights(update: WeightUpdate) -> Awaitable[None]:
     serving the previous weights. For a :class:`~rlinfer_core.weights.BroadcastSource` the
     backend receives the tensors and checks them (finite) before loading any. The facade bumps
     the version and resets the prefix cache after success.
+
+    ``update.version`` is the version these weights will have (set by the facade); tokens
+    produced after the load carry it in ``Completion.token_versions``.
+    """
+
+
+@hookspec(firstresult=True)
+def rlinfer_weights_checksum() -> Awaitable[Mapping[str, WeightChecksum]]:
+    """Checksums (:func:`rlinfer_core.checksum.tensor_checksum`) of every tensor the engine
+    serves, computed inside the engine from its own parameters mapped back to HF names.
+
+    The served output head is reported as ``lm_head.weight`` even when tied to the embedding
+    (see ``ModelInfo.tied_weights``). Only for backends claiming ``weights.checksum``.
     """
 
 

@@ -1,9 +1,19 @@
-"""A tiny Llama-architecture causal LM, made on the fly (no hub access needed).
+"""Tiny causal LMs in several architectures, made on the fly (no hub access needed).
 
-``make_tiny_model(dir, seed=0)`` writes a complete Hugging Face model directory: config,
+``make_tiny_model(dir, seed=0, spec)`` writes a complete Hugging Face model directory: config,
 safetensors weights (random, deterministic from ``seed``), a byte-level BPE tokenizer trained
 offline on the small corpus below, and a chat template. head_dim is 64 (CPU attention kernels
 reject smaller). Used by the tests, the conformance kit and the demo.
+
+Architectures (``TinyModelSpec.architecture``), chosen for the layouts that trip weight loaders:
+
+- ``llama``: untied output head, no biases;
+- ``qwen2``: q/k/v biases and the output head tied to the embedding (Qwen2.5-0.5B..3B,
+  Llama-3.2-1B/3B and Gemma tie theirs);
+- ``qwen3``: per-head q/k RMSNorms, untied head.
+
+Biases and norm weights are randomised too (transformers initialises them to 0 and 1), so a
+loader that skips them changes the outputs.
 """
 
 from __future__ import annotations
@@ -46,6 +56,47 @@ class TinyModelSpec:
     max_position_embeddings: int = 1024
     init_std: float = 0.02
     dtype: str = "float32"
+    architecture: str = attrs.field(default="llama", validator=attrs.validators.in_(("llama", "qwen2", "qwen3")))
+
+
+#: the architectures :func:`make_tiny_model` can write
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+
+def _config(spec: TinyModelSpec, tokenizer: object) -> object:
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.hidden_size // spec.num_attention_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        initializer_range=spec.init_std,
+        bos_token_id=tokenizer.bos_token_id,  # type: ignore[attr-defined]
+        eos_token_id=tokenizer.eos_token_id,  # type: ignore[attr-defined]
+        pad_token_id=tokenizer.pad_token_id,  # type: ignore[attr-defined]
+        torch_dtype=spec.dtype,
+    )
+    if spec.architecture == "qwen2":
+        return Qwen2Config(tie_word_embeddings=True, **common)
+    if spec.architecture == "qwen3":
+        return Qwen3Config(tie_word_embeddings=False, attention_bias=False, **common)
+    return LlamaConfig(tie_word_embeddings=False, **common)
+
+
+def _randomise_biases_and_norms(model: object, std: float) -> None:
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():  # type: ignore[attr-defined]
+            if name.endswith(".bias"):
+                param.normal_(0.0, std)
+            elif "norm" in name:
+                param.normal_(1.0, 0.1)
 
 
 def _train_tokenizer(vocab_size: int) -> object:
@@ -65,14 +116,14 @@ def _train_tokenizer(vocab_size: int) -> object:
 
 
 def make_tiny_model(path: str | Path, seed: int = 0, spec: TinyModelSpec | None = None) -> Path:
-    """Write a tiny random Llama model directory at ``path`` and return it.
+    """Write a tiny random model directory (``spec.architecture``) at ``path`` and return it.
 
     The same ``seed`` and ``spec`` always give the same weights and tokenizer; a different seed
     gives different weights with the same tokenizer and shapes (a "second model" for weight
     updates).
     """
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     spec = spec or TinyModelSpec()
     out = Path(path)
@@ -86,26 +137,13 @@ def make_tiny_model(path: str | Path, seed: int = 0, spec: TinyModelSpec | None 
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(out)
-    config = LlamaConfig(
-        vocab_size=spec.vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        head_dim=spec.hidden_size // spec.num_attention_heads,
-        max_position_embeddings=spec.max_position_embeddings,
-        initializer_range=spec.init_std,
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        torch_dtype=spec.dtype,
-    )
+    config = _config(spec, tokenizer)
     generator_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).to(getattr(torch, spec.dtype))
+        model = AutoModelForCausalLM.from_config(config).to(getattr(torch, spec.dtype))
+        if spec.architecture != "llama":  # the llama weights stay as earlier releases made them
+            _randomise_biases_and_norms(model, spec.init_std)
     finally:
         torch.random.set_rng_state(generator_state)
     model.save_pretrained(out, safe_serialization=True)

@@ -70,8 +70,16 @@ class Capability(enum.StrEnum):
     WEIGHTS_BUCKETS = "weights.buckets"  #: the core's flattened per-dtype buckets
     WEIGHTS_DISK = "weights.disk"  #: a safetensors checkpoint directory
     WEIGHTS_BROADCAST = "weights.broadcast"  #: torch.distributed broadcast group
+    WEIGHTS_CHECKSUM = "weights.checksum"  #: the engine reports checksums of what it serves
     MEMORY_RELEASE = "memory.release"  #: release_memory really frees accelerator memory
     PREFIX_CACHE_RESET = "prefix_cache.reset"
+    SAMPLING_MIN_P = "sampling.min_p"
+    SAMPLING_PENALTIES = "sampling.penalties"  #: repetition, presence and frequency penalties
+    SAMPLING_LOGIT_BIAS = "sampling.logit_bias"  #: per-token bias and allowed_token_ids
+    LOGPROBS_RAW = "logprobs.raw"  #: logprobs_mode="raw"
+    #: logprobs_mode="processed" under truncation (top_p, top_k, min_p): renormalised over the
+    #: tokens that could be sampled
+    LOGPROBS_PROCESSED = "logprobs.processed"
 
 
 PAUSE_CAPABILITY: Mapping[PauseMode, Capability] = {
@@ -81,13 +89,68 @@ PAUSE_CAPABILITY: Mapping[PauseMode, Capability] = {
 }
 
 
+class LogprobsMode(enum.StrEnum):
+    """Which distribution the returned logprobs are taken from (the same on every backend).
+
+    PROCESSED (default): the distribution the token was sampled from - logits after penalties,
+    logit bias / allowed tokens and temperature, then truncated by top_k, top_p and min_p and
+    renormalised over the tokens that could be sampled. This is the behaviour policy an
+    importance ratio needs. Greedy requests (temperature 0) report ``log_softmax`` of the
+    processed logits at temperature 1, untruncated.
+    RAW: ``log_softmax`` of the model's own logits, before any processing (no temperature).
+    """
+
+    PROCESSED = "processed"
+    RAW = "raw"
+
+
+def _to_logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    items = value.items() if isinstance(value, Mapping) else value
+    out = []
+    for i, item in enumerate(items):
+        try:
+            token, bias = item
+        except (TypeError, ValueError):
+            raise InvalidRequest("logit_bias", f"item {i} must be a (token_id, bias) pair, got {item!r}") from None
+        out.append((token, bias))
+    return tuple(sorted(out, key=lambda pair: pair[0] if isinstance(pair[0], int) else -1))
+
+
+def _check_logit_bias(_inst: Any, _attribute: Any, value: tuple[tuple[int, float], ...]) -> None:
+    tokens = [token for token, _ in value]
+    if len(set(tokens)) != len(tokens):
+        raise InvalidRequest("logit_bias", "each token id may appear once")
+    for token, bias in value:
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise InvalidRequest("logit_bias", f"token ids must be integers >= 0, got {token!r}")
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100.0 <= float(bias) <= 100.0:
+            raise InvalidRequest("logit_bias", f"bias of token {token} must be a number in [-100, 100], got {bias!r}")
+
+
+def _to_logprobs_mode(value: Any) -> LogprobsMode:
+    try:
+        return LogprobsMode(value)
+    except ValueError:
+        raise InvalidRequest(
+            "logprobs_mode", f"must be one of {[m.value for m in LogprobsMode]}, got {value!r}"
+        ) from None
+
+
+def _to_optional_ids(value: Any) -> tuple[int, ...] | None:
+    return None if value is None else v.to_tuple(value)
+
+
 @attrs.frozen
 class SamplingParams:
     """How to sample. ``temperature == 0`` is greedy.
 
     ``logprobs`` is the number of top alternatives to return per generated token; the sampled
-    token's own logprob is always returned, under the sampling distribution (temperature-scaled),
-    which is what an RL loss needs.
+    token's own logprob is always returned, from the distribution ``logprobs_mode`` names (by
+    default the one it was sampled from), which is what an RL loss needs.
+
+    Processing order (both backends): penalties (repetition, then presence/frequency over the
+    generated tokens), ``logit_bias`` and ``allowed_token_ids``, temperature, then top_k, top_p and
+    min_p truncation.
     """
 
     temperature: float = attrs.field(default=1.0, validator=v.in_range(0.0, 100.0))
@@ -102,17 +165,51 @@ class SamplingParams:
     ignore_eos: bool = attrs.field(default=False, validator=v.instance_of(bool, "a bool (True or False)"))
     logprobs: int = attrs.field(default=0, validator=v.in_range(0, MAX_TOP_LOGPROBS, integer=True))
     prompt_logprobs: bool = attrs.field(default=False, validator=v.instance_of(bool, "a bool (True or False)"))
+    #: drop tokens whose probability is below min_p times the most likely one's (0: off)
+    min_p: float = attrs.field(default=0.0, validator=v.in_range(0.0, 1.0))
+    #: divides positive logits (multiplies negative ones) of tokens seen in prompt or output (1: off)
+    repetition_penalty: float = attrs.field(default=1.0, validator=v.in_range(0.0, 10.0, low_open=True))
+    #: subtracted once from the logit of every token already generated (0: off)
+    presence_penalty: float = attrs.field(default=0.0, validator=v.in_range(-2.0, 2.0))
+    #: subtracted per occurrence from the logit of every token already generated (0: off)
+    frequency_penalty: float = attrs.field(default=0.0, validator=v.in_range(-2.0, 2.0))
+    #: added to the logits of these token ids; a Mapping or (id, bias) pairs
+    logit_bias: tuple[tuple[int, float], ...] = attrs.field(
+        default=(), converter=_to_logit_bias, validator=_check_logit_bias
+    )
+    #: only these token ids may be sampled (None: all)
+    allowed_token_ids: tuple[int, ...] | None = attrs.field(
+        default=None, converter=_to_optional_ids, validator=attrs.validators.optional(v.int_items())
+    )
+    logprobs_mode: LogprobsMode = attrs.field(default=LogprobsMode.PROCESSED, converter=_to_logprobs_mode)
 
     def __attrs_post_init__(self) -> None:
         if self.top_k == 0:
             raise InvalidRequest("top_k", "must be -1 (disabled) or >= 1, got 0")
         if self.min_tokens > self.max_tokens:
             raise InvalidRequest("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise InvalidRequest("allowed_token_ids", "must hold at least one token id (or be None)")
 
     @property
     def greedy(self) -> bool:
         """True when sampling is argmax."""
         return self.temperature == 0.0
+
+    @property
+    def truncates(self) -> bool:
+        """True when top_k, top_p or min_p cut the sampling distribution."""
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
+    @property
+    def penalised(self) -> bool:
+        """True when a repetition, presence or frequency penalty is set."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def biased(self) -> bool:
+        """True when logit_bias or allowed_token_ids is set."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
 
 
 @attrs.frozen
@@ -173,8 +270,14 @@ class GenerateRequest:
 
 @attrs.frozen
 class Completion:
-    """One finished sample. ``logprobs[i]`` is the logprob of ``token_ids[i]`` under the
-    sampling distribution; ``weight_version`` is the version of the weights that produced it."""
+    """One finished sample. ``logprobs[i]`` is the logprob of ``token_ids[i]`` (see
+    :class:`LogprobsMode`); ``token_versions[i]`` is the weight version that produced
+    ``token_ids[i]``; ``weight_version`` is the newest of them (the version served at the end).
+
+    A weight update while a request runs (paused with ``pause(mode="keep")`` or not) changes the
+    weights from the next engine step on: tokens before it carry the old version, tokens after it
+    the new one.
+    """
 
     request_id: str
     index: int  #: sample index in [0, n)
@@ -189,6 +292,7 @@ class Completion:
     weight_version: int = 0
     text: str | None = None  #: detokenized output when the engine has a tokenizer
     latency_s: float | None = None
+    token_versions: tuple[int, ...] | None = None  #: per token; filled for every completion
 
 
 @attrs.frozen
@@ -202,6 +306,7 @@ class CompletionDelta:
     finish_reason: FinishReason | None = None  #: set on the last delta only
     stop_reason: int | str | None = None
     weight_version: int = 0
+    token_versions: tuple[int, ...] | None = None  #: per token of this delta
 
 
 def _capability_set(value: Any) -> frozenset[Capability]:

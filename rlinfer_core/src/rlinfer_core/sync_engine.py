@@ -1,0 +1,169 @@
+"""The synchronous wrapper around :class:`~rlinfer_core.engine.AsyncEngine`."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from rlinfer_core.types import (
+    Capabilities,
+    Completion,
+    CompletionDelta,
+    EngineConfig,
+    GenerateRequest,
+    MemoryTag,
+    PauseMode,
+)
+
+if TYPE_CHECKING:
+    from rlinfer_core.checksum import WeightChecksum, WeightVerification
+    from rlinfer_core.engine import AsyncEngine
+    from rlinfer_core.model_info import ModelInfo
+    from rlinfer_core.weights import BroadcastGroup, TensorSpec, WeightSource, WeightUpdate
+
+T = TypeVar("T")
+
+
+class Engine:
+    """Synchronous wrapper around :class:`AsyncEngine` for scripts and notebooks.
+
+    The async engine runs in its own event-loop thread; every method blocks until done.
+    """
+
+    def __init__(self, async_engine: AsyncEngine, loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+        self.async_engine = async_engine
+        self._loop = loop
+        self._thread = thread
+
+    @classmethod
+    def open(cls, backend: str, config: EngineConfig | None = None, **kwargs: Any) -> Engine:
+        """Start an engine (see :meth:`AsyncEngine.open` for the arguments)."""
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=loop.run_forever, name="rlinfer-engine-loop", daemon=True)
+        thread.start()
+        try:
+            from rlinfer_core.engine import AsyncEngine
+
+            engine = asyncio.run_coroutine_threadsafe(AsyncEngine.open(backend, config, **kwargs), loop).result()
+        except BaseException:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(timeout=10)
+            raise
+        return cls(engine, loop, thread)
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """See :attr:`AsyncEngine.capabilities`."""
+        return self.async_engine.capabilities
+
+    @property
+    def weight_version(self) -> int:
+        """See :attr:`AsyncEngine.weight_version`."""
+        return self.async_engine.weight_version
+
+    @property
+    def weight_specs(self) -> Mapping[str, TensorSpec]:
+        """See :attr:`AsyncEngine.weight_specs`."""
+        return self.async_engine.weight_specs
+
+    @property
+    def model_info(self) -> ModelInfo | None:
+        """See :attr:`AsyncEngine.model_info`."""
+        return self.async_engine.model_info
+
+    def generate(self, requests: GenerateRequest | Sequence[GenerateRequest]) -> list[Completion]:
+        """See :meth:`AsyncEngine.generate`."""
+        return self._run(self.async_engine.generate(requests))
+
+    def stream(self, request: GenerateRequest) -> Iterator[CompletionDelta]:
+        """See :meth:`AsyncEngine.stream`."""
+        iterator = self.async_engine.stream(request)
+        try:
+            while True:
+                try:
+                    yield self._run(anext(iterator))  # type: ignore[arg-type]
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._run(iterator.aclose())  # type: ignore[attr-defined]
+
+    def abort(self, request_ids: Sequence[str] | str | None = None) -> None:
+        """See :meth:`AsyncEngine.abort`."""
+        self._run(self.async_engine.abort(request_ids))
+
+    def pause(self, mode: PauseMode | str = PauseMode.ABORT) -> None:
+        """See :meth:`AsyncEngine.pause`."""
+        self._run(self.async_engine.pause(mode))
+
+    def resume(self) -> None:
+        """See :meth:`AsyncEngine.resume`."""
+        self._run(self.async_engine.resume())
+
+    def update_weights(
+        self, update: WeightUpdate | WeightSource | Mapping[str, Any], *, version: int | None = None
+    ) -> int:
+        """See :meth:`AsyncEngine.update_weights`."""
+        return self._run(self.async_engine.update_weights(update, version=version))
+
+    def init_weight_broadcast(self, group: BroadcastGroup) -> None:
+        """See :meth:`AsyncEngine.init_weight_broadcast`."""
+        self._run(self.async_engine.init_weight_broadcast(group))
+
+    def release_memory(self, tags: Iterable[MemoryTag | str] | MemoryTag | str | None = None) -> None:
+        """See :meth:`AsyncEngine.release_memory`."""
+        self._run(self.async_engine.release_memory(tags))
+
+    def resume_memory(self, tags: Iterable[MemoryTag | str] | MemoryTag | str | None = None) -> None:
+        """See :meth:`AsyncEngine.resume_memory`."""
+        self._run(self.async_engine.resume_memory(tags))
+
+    @property
+    def in_flight(self) -> frozenset[str]:
+        """See :attr:`AsyncEngine.in_flight`."""
+        return self.async_engine.in_flight
+
+    def weights_checksum(self) -> Mapping[str, WeightChecksum]:
+        """See :meth:`AsyncEngine.weights_checksum`."""
+        return self._run(self.async_engine.weights_checksum())
+
+    def verify_weights(self, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> WeightVerification:
+        """See :meth:`AsyncEngine.verify_weights`."""
+        return self._run(self.async_engine.verify_weights(tensors))
+
+    def engine_processes(self) -> Mapping[str, int]:
+        """See :meth:`AsyncEngine.engine_processes`."""
+        return self.async_engine.engine_processes()
+
+    def reset_prefix_cache(self) -> None:
+        """See :meth:`AsyncEngine.reset_prefix_cache`."""
+        self._run(self.async_engine.reset_prefix_cache())
+
+    def check_health(self) -> None:
+        """See :meth:`AsyncEngine.check_health`."""
+        self._run(self.async_engine.check_health())
+
+    def shutdown(self) -> None:
+        """Stop the engine and the loop thread. Safe to call twice."""
+        if not self._thread.is_alive():
+            return
+        try:
+            self._run(self.async_engine.shutdown())
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=30)
+
+
+def open_engine(backend: str, config: EngineConfig | None = None, **kwargs: Any) -> Engine:
+    """Start a synchronous :class:`Engine`; ``AsyncEngine.open`` is the async twin."""
+    return Engine.open(backend, config, **kwargs)
