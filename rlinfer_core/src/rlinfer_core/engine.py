@@ -434,6 +434,11 @@ class AsyncEngine:
         )
         return target
 
+    @property
+    def broadcast_ranks(self) -> int:
+        """How many ranks of a broadcast group this engine takes (one per tensor-parallel worker)."""
+        return self.config.tensor_parallel_size
+
     async def init_weight_broadcast(self, group: BroadcastGroup) -> None:
         """Have the engine join the trainer's broadcast group (trainer is rank 0).
 
@@ -442,6 +447,12 @@ class AsyncEngine:
         """
         self._ensure_open()
         self.capabilities.require(Capability.WEIGHTS_BROADCAST)
+        if group.rank_offset + self.broadcast_ranks > group.world_size:
+            raise InvalidRequest(
+                "world_size",
+                f"the group needs at least rank_offset + {self.broadcast_ranks} engine ranks "
+                f"= {group.rank_offset + self.broadcast_ranks}, got world_size={group.world_size}",
+            )
         await self._with_timeout(
             self._op("rlinfer_init_weight_broadcast", group=group), group.timeout_s + 30.0, "init_weight_broadcast"
         )

@@ -116,6 +116,11 @@ class Engine:
         """See :meth:`AsyncEngine.update_weights`."""
         return self._run(self.async_engine.update_weights(update, version=version))
 
+    @property
+    def broadcast_ranks(self) -> int:
+        """See :attr:`AsyncEngine.broadcast_ranks`."""
+        return self.async_engine.broadcast_ranks
+
     def init_weight_broadcast(self, group: BroadcastGroup) -> None:
         """See :meth:`AsyncEngine.init_weight_broadcast`."""
         self._run(self.async_engine.init_weight_broadcast(group))

@@ -130,7 +130,10 @@ class WeightUpdate:
 class BroadcastGroup:
     """A torch.distributed group between the trainer (rank 0) and the engine's workers.
 
-    The engine's workers take ranks 1..world_size-1. ``backend`` is "gloo" (CPU) or "nccl" (GPU).
+    The engine's workers take ranks ``rank_offset`` .. ``rank_offset + ranks - 1`` (one per
+    tensor-parallel worker; see ``AsyncEngine.broadcast_ranks``); with one engine that is
+    1..world_size-1. A pool of engines gives each replica its own offset, so one broadcast from
+    the trainer reaches every replica. ``backend`` is "gloo" (CPU) or "nccl" (GPU).
     """
 
     master_addr: str
@@ -139,6 +142,11 @@ class BroadcastGroup:
     backend: Literal["gloo", "nccl"] = attrs.field(default="gloo", validator=v.one_of("gloo", "nccl"))
     group_name: str = "rlinfer-weights"
     timeout_s: float = attrs.field(default=120.0, validator=v.in_range(0.0, 3600.0, low_open=True))
+    rank_offset: int = attrs.field(default=1, validator=v.in_range(1, 65535, integer=True))
+
+    def __attrs_post_init__(self) -> None:
+        if self.rank_offset >= self.world_size:
+            raise InvalidRequest("rank_offset", f"must be < world_size ({self.world_size}), got {self.rank_offset}")
 
 
 def specs_of(tensors: Sequence[tuple[str, Any]]) -> tuple[TensorSpec, ...]:

@@ -119,7 +119,7 @@ def _join(control: dict[str, Any]) -> None:
     old = _GROUPS.pop(group.group_name, None)
     if old is not None:
         destroy_group(old)
-    _GROUPS[group.group_name] = create_group(group, rank=1 + _tp_rank())
+    _GROUPS[group.group_name] = create_group(group, rank=group.rank_offset + _tp_rank())
 
 
 def load(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:

@@ -144,8 +144,8 @@ class RLInferWorkerExtension:
             destroy_group(self._rlinfer_group)
             self._rlinfer_group = None
         group = BroadcastGroup(**fields)
-        self._rlinfer_group = create_group(group, rank=1 + int(self.rank))
-        return 1 + int(self.rank)
+        self._rlinfer_group = create_group(group, rank=group.rank_offset + int(self.rank))
+        return group.rank_offset + int(self.rank)
 
     def rlinfer_load_broadcast(self, specs: list[tuple[str, str, list[int]]]) -> dict[str, float]:
         """Receive tensors from rank 0 in ``specs`` order, check them, then load them."""
