@@ -1,0 +1,240 @@
+"""Generate and stream: rlinfer requests to SGLang's tokenizer manager and back."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from typing import Any
+
+from rlinfer_core.errors import InvalidRequest, RLInferError
+from rlinfer_core.hookspecs import hookimpl
+from rlinfer_core.types import (
+    Completion,
+    CompletionDelta,
+    GenerateRequest,
+)
+
+from rlinfer_sglang import convert
+from rlinfer_sglang.inflight import InFlight
+
+
+class Generation(InFlight):
+    """``rlinfer_generate``, ``rlinfer_generate_stream`` and the raw-generate bench hook."""
+
+    def _prompt_ids(self, request: GenerateRequest) -> list[int]:
+        if request.prompt_token_ids is not None:
+            return list(request.prompt_token_ids)
+        assert request.messages is not None
+        tokenizer = getattr(self._tm, "tokenizer", None)
+        if tokenizer is None:
+            raise InvalidRequest("messages", "the engine has no tokenizer; send prompt_token_ids")
+        try:
+            text = tokenizer.apply_chat_template(
+                [{"role": m.role, "content": m.content} for m in request.messages],
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+        except Exception as exc:
+            raise InvalidRequest("messages", f"the chat template failed: {exc}") from exc
+        ids = list(tokenizer.encode(str(text), add_special_tokens=False))
+        if not ids:
+            raise InvalidRequest("messages", "the chat template produced an empty prompt")
+        if len(ids) >= self._max_len():
+            raise InvalidRequest(
+                "messages", f"the templated prompt has {len(ids)} tokens, max_model_len is {self._max_len()}"
+            )
+        return ids
+
+    @hookimpl
+    async def rlinfer_generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:
+        """Send every sample to SGLang as one batch; n completions per request, in request order.
+
+        One batched ``GenerateReqInput`` (not one call per sample) lets SGLang's scheduler see
+        the whole batch at once, exactly as a native batched ``async_generate`` call does.
+        """
+        self._alive()
+        prompts = [self._prompt_ids(r) for r in requests]
+        samples = [(r, i, ids) for r, ids in zip(requests, prompts, strict=True) for i in range(r.sampling.n)]
+        started = time.perf_counter()
+        admitted = await self._admit_all([r.request_id for r, _, _ in samples])
+        rids = [uuid.uuid4().hex if ok else "" for ok in admitted]
+        for (r, _, _), rid in zip(samples, rids, strict=True):
+            if rid:
+                self._rids.setdefault(r.request_id, set()).add(rid)
+        live = [k for k, rid in enumerate(rids) if rid]
+        outs: dict[int, Any] = {}
+        try:
+            if live:
+                results = await self._guard(
+                    self._tm_generate_batch([samples[k] for k in live], [rids[k] for k in live])
+                )
+                outs = dict(zip(live, results, strict=True))
+        except asyncio.CancelledError:
+            for k in live:
+                self._abort_rid(rids[k])
+            raise
+        except RLInferError:
+            raise
+        except Exception as exc:
+            if not all(r.request_id in self._aborted for r, _, _ in samples):
+                raise self._translate(exc) from exc
+        finally:
+            for (r, _, _), rid in zip(samples, rids, strict=True):
+                if rid:
+                    self._untrack(r.request_id, rid)
+                    self._release()
+            for r in requests:
+                if r.request_id not in self._rids:
+                    self._aborted.discard(r.request_id)
+        latency = time.perf_counter() - started
+        return [
+            convert.completion(r, i, ids, outs[k], latency)
+            if k in outs
+            else convert.aborted_before_output(r, i, ids, latency)
+            for k, (r, i, ids) in enumerate(samples)
+        ]
+
+    def _tm_generate_batch(self, samples: list[tuple[GenerateRequest, int, list[int]]], rids: list[str]) -> Any:
+        from sglang.srt.managers.io_struct import GenerateReqInput
+
+        if len(samples) == 1:
+            (request, _, ids), rid = samples[0], rids[0]
+            return self._wrap_one(
+                self._tm_generate(ids, convert.sampling_params(request, len(ids), self._max_len()), rid, request)
+            )
+        args = [convert.logprob_args(r) for r, _, _ in samples]
+        obj = GenerateReqInput(
+            input_ids=[ids for _, _, ids in samples],
+            sampling_params=[convert.sampling_params(r, len(ids), self._max_len()) for r, _, ids in samples],
+            rid=rids,
+            return_logprob=[a["return_logprob"] for a in args],
+            logprob_start_len=[a["logprob_start_len"] for a in args],
+            top_logprobs_num=[a["top_logprobs_num"] for a in args],
+        )
+        return self._tm.generate_request(obj, None).__anext__()
+
+    @staticmethod
+    async def _wrap_one(awaitable: Awaitable[Any]) -> list[Any]:
+        return [await awaitable]
+
+    def _tm_generate(
+        self, ids: list[int], params: dict[str, Any], rid: str, request: GenerateRequest, stream: bool = False
+    ) -> Any:
+        from sglang.srt.managers.io_struct import GenerateReqInput
+
+        obj = GenerateReqInput(
+            input_ids=ids, sampling_params=params, rid=rid, stream=stream, **convert.logprob_args(request)
+        )
+        generator = self._tm.generate_request(obj, None)
+        return generator if stream else generator.__anext__()
+
+    @hookimpl
+    async def rlinfer_generate_stream(self, request: GenerateRequest) -> AsyncIterator[CompletionDelta]:
+        """Stream deltas of every sample (SGLang streams cumulative outputs; deltas are cut here)."""
+        self._alive()
+        ids = self._prompt_ids(request)
+        queue: asyncio.Queue[CompletionDelta | BaseException | None] = asyncio.Queue()
+
+        async def one(index: int) -> None:
+            try:
+                async for d in self._stream_sample(request, index, ids):
+                    queue.put_nowait(d)
+            except BaseException as exc:
+                queue.put_nowait(exc)
+            finally:
+                queue.put_nowait(None)
+
+        tasks = [asyncio.ensure_future(one(i)) for i in range(request.sampling.n)]
+        pending = len(tasks)
+        try:
+            while pending:
+                item = await queue.get()
+                if item is None:
+                    pending -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self._aborted.discard(request.request_id)
+
+    async def _stream_sample(
+        self, request: GenerateRequest, index: int, ids: list[int]
+    ) -> AsyncIterator[CompletionDelta]:
+        from rlinfer_core.types import FinishReason
+
+        if not await self._admit(request.request_id):
+            yield CompletionDelta(request.request_id, index, (), (), FinishReason.ABORT)
+            return
+        rid = uuid.uuid4().hex
+        self._rids.setdefault(request.request_id, set()).add(rid)
+        params = convert.sampling_params(request, len(ids), self._max_len())
+        seen = 0
+        finished = False
+        try:
+            generator = self._tm_generate(ids, params, rid, request, stream=True)
+            while not finished:
+                try:
+                    out = await self._guard(generator.__anext__())
+                except StopAsyncIteration:
+                    break
+                d, seen = convert.delta(request, index, out, seen)
+                if d is not None:
+                    finished = d.finish_reason is not None
+                    if finished and not (out.get("meta_info") or {}).get("finish_reason"):
+                        self._abort_rid(rid)  # rlinfer ended it (stop id under ignore_eos)
+                    yield d
+            if not finished:
+                yield CompletionDelta(request.request_id, index, (), (), FinishReason.ABORT)
+        except (asyncio.CancelledError, GeneratorExit):
+            self._abort_rid(rid)
+            raise
+        except RLInferError:
+            raise
+        except Exception as exc:
+            raise self._translate(exc) from exc
+        finally:
+            self._untrack(request.request_id, rid)
+            self._release()
+
+    # --- benchmarking --------------------------------------------------------------------------
+
+    @hookimpl
+    async def rlinfer_bench_raw_generate(self, requests: Sequence[GenerateRequest]) -> int:
+        """The same batch in one native ``Engine.async_generate`` call with hand-built params."""
+        self._alive()
+        assert self._engine is not None
+        input_ids: list[list[int]] = []
+        params: list[dict[str, Any]] = []
+        top: list[int] = []
+        for r in requests:
+            s = r.sampling
+            for _ in range(s.n):
+                input_ids.append(list(r.prompt_token_ids or ()))
+                p: dict[str, Any] = {
+                    "temperature": s.temperature,
+                    "top_p": s.top_p,
+                    "top_k": s.top_k,
+                    "max_new_tokens": s.max_tokens,
+                    "min_new_tokens": s.min_tokens,
+                    "ignore_eos": s.ignore_eos,
+                }
+                if s.stop_token_ids:
+                    p["stop_token_ids"] = list(s.stop_token_ids)
+                if s.stop:
+                    p["stop"] = list(s.stop)
+                params.append(p)
+                top.append(s.logprobs)
+        if not input_ids:
+            return 0
+        outs = await self._guard(
+            self._engine.async_generate(
+                input_ids=input_ids, sampling_params=params, return_logprob=True, top_logprobs_num=top
+            )
+        )
+        return sum(len(o["output_ids"]) for o in outs)

@@ -1,0 +1,245 @@
+"""Process supervision: starting SGLang's processes, signals, death detection and shutdown.
+
+SGLang's crash handling kills the *whole calling process* (SIGQUIT handler calling
+``kill_process_tree(os.getpid())``) and its shutdown kills *every* child of the caller. A trainer
+must survive both, so the backend replaces that handling: SGLang's subprocess watchdog is
+stopped, its SIGQUIT/SIGTERM handlers are replaced or restored, a monitor task turns a dead
+scheduler into :class:`EngineDead` within about a second, and shutdown kills only the processes
+the engine start created.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import threading
+from typing import TYPE_CHECKING, Any
+
+from rlinfer_core.errors import BackendLoadError
+from rlinfer_core.hookspecs import hookimpl
+from rlinfer_core.types import (
+    EngineConfig,
+)
+
+from rlinfer_core import processes
+from rlinfer_sglang.base import BackendBase
+from rlinfer_sglang.config import needs_context_override, server_args
+
+if TYPE_CHECKING:
+    from sglang.srt.entrypoints.engine import Engine
+
+logger = logging.getLogger(__name__)
+
+#: how often the monitor checks that the engine's processes are alive
+MONITOR_INTERVAL_S = 0.5
+
+
+def _on_sigquit(signum: int, frame: Any) -> None:
+    """SIGQUIT from a failing SGLang child: SGLang's own handler would kill this whole process.
+
+    Module-level (SGLang pickles its server args, handler included, into the scheduler). The
+    failing child exits right after; each backend's monitor then turns that into EngineDead.
+    """
+    logger.error("an SGLang process reported a failure (SIGQUIT); its engine will report EngineDead")
+
+
+#: engines that rely on SIGQUIT being ignored at the libc level (see _guard_sigquit)
+_SIGQUIT_IGNORERS = 0
+
+
+def _libc_sigquit(action: int) -> None:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.signal.restype = ctypes.c_void_p
+    libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    libc.signal(int(signal.SIGQUIT), action)
+
+
+def _guard_sigquit(main_thread: bool) -> str:
+    """Keep SGLang's SIGQUIT from killing this process; returns how ("handler", "ignored", "").
+
+    On the main thread a Python handler is installed. Elsewhere Python cannot install one, so
+    when SIGQUIT still has its default action (terminate + core) it is ignored through libc
+    (process-wide) while an engine runs; a handler the program installed itself is left alone.
+    """
+    global _SIGQUIT_IGNORERS
+    if main_thread:
+        signal.signal(signal.SIGQUIT, _on_sigquit)
+        return "handler"
+    if _SIGQUIT_IGNORERS == 0 and signal.getsignal(signal.SIGQUIT) is not signal.SIG_DFL:
+        return ""
+    if _SIGQUIT_IGNORERS == 0:
+        _libc_sigquit(1)  # SIG_IGN
+    _SIGQUIT_IGNORERS += 1
+    return "ignored"
+
+
+def _unguard_sigquit(kind: str) -> None:
+    """Undo :func:`_guard_sigquit` for an engine that shut down."""
+    global _SIGQUIT_IGNORERS
+    if kind == "ignored":
+        _SIGQUIT_IGNORERS -= 1
+        if _SIGQUIT_IGNORERS == 0:
+            _libc_sigquit(0)  # SIG_DFL
+
+
+def _ensure_cpu_env(platform: str) -> None:
+    # SGLang reads SGLANG_USE_CPU_ENGINE when its modules are imported; it must be set first.
+    if platform == "cpu":
+        os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+
+
+class Supervision(BackendBase):
+    """Starts the engine's processes, watches them and shuts them down."""
+
+    async def _launch(self, config: EngineConfig) -> None:
+        """Start SGLang's Engine (scheduler + detokenizer processes) and take over its process care."""
+        _ensure_cpu_env(self.platform)
+        try:
+            from sglang.srt.entrypoints.engine import Engine
+        except Exception as exc:
+            raise BackendLoadError(f"cannot import SGLang: {type(exc).__name__}: {exc}") from exc
+        loop = asyncio.get_running_loop()
+        self._dead_event = asyncio.Event()
+        self._gate = asyncio.Event()
+        self._gate.set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        kwargs = server_args(config, self.platform)
+        main_thread = threading.current_thread() is threading.main_thread()
+        if main_thread:
+            self._signals = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGQUIT)}
+        # A child failing (at launch or later) sends SIGQUIT to this process; with SGLang's
+        # handler, or none, that kills the caller. The engine starts in a worker thread, where
+        # SGLang installs no handler, so rlinfer takes SIGQUIT over first.
+        self._quit_guard = _guard_sigquit(main_thread)
+        before = processes.snapshot()
+        env_omp = os.environ.get("OMP_NUM_THREADS")
+        if self.platform == "cpu" and env_omp is None:
+            # the scheduler inherits this; without it torch uses every core and, with the
+            # caller's own threads, CPU decoding jitters by an order of magnitude
+            os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // 2))
+        override = needs_context_override(config) and "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN" not in os.environ
+        if override:
+            os.environ["SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"] = "1"
+        future = loop.run_in_executor(None, lambda: Engine(**kwargs))
+        try:
+            engine = await asyncio.shield(future)
+        except asyncio.CancelledError:
+            future.add_done_callback(lambda f: self._kill_late(f, before))
+            raise
+        except Exception as exc:
+            processes.kill(processes.started_since(before), grace_s=2.0)
+            self._restore_signals()
+            raise BackendLoadError(f"SGLang failed to start for model {config.model!r}: {exc}") from exc
+        finally:
+            if self.platform == "cpu" and env_omp is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+            if override:
+                os.environ.pop("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", None)
+        self._engine = engine
+        self._tm = engine.tokenizer_manager
+        self._procs = processes.started_since(before)
+        self._take_over_process_care(engine, main_thread)
+        self._monitor = asyncio.ensure_future(self._watch())
+
+    def _take_over_process_care(self, engine: Engine, main_thread: bool) -> None:
+        atexit.unregister(engine.shutdown)
+        atexit.register(self._kill_now)
+        watchdog = getattr(self._tm, "_subprocess_watchdog", None)
+        if watchdog is not None:
+            watchdog.stop()  # it would SIGQUIT this process when a child dies
+            self._tm._subprocess_watchdog = None
+        # SGLang installs its loop signal handlers on first use; do it now and undo them.
+        self._tm.auto_create_handle_loop()
+        if main_thread:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGQUIT):
+                with contextlib.suppress(Exception):
+                    loop.remove_signal_handler(sig)
+            with contextlib.suppress(Exception):
+                signal.signal(signal.SIGTERM, self._signals[signal.SIGTERM])
+            with contextlib.suppress(Exception):
+                loop.add_signal_handler(signal.SIGQUIT, _on_sigquit, signal.SIGQUIT, None)
+
+    async def _watch(self) -> None:
+        while not self._closed:
+            await asyncio.sleep(MONITOR_INTERVAL_S)
+            running = processes.alive(self._procs)
+            if len(running) < len(self._procs):
+                gone = sorted({p.pid for p in self._procs} - {p.pid for p in running})
+                self._mark_dead(f"SGLang process(es) {gone} exited")
+            if self._dead is not None:
+                # the rest of the engine is useless now; leave no orphans behind
+                await asyncio.get_running_loop().run_in_executor(None, processes.kill, self._procs, 2.0)
+                return
+
+    @hookimpl
+    async def rlinfer_check_health(self) -> None:
+        """Raise EngineDead when an engine process died or the engine was shut down."""
+        self._alive()
+        if len(processes.alive(self._procs)) < len(self._procs):
+            self._mark_dead("an SGLang process exited")
+            self._alive()
+
+    @hookimpl
+    async def rlinfer_shutdown(self) -> None:
+        """Stop the engine; kill exactly the processes its start created (none is left)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._mark_dead("shut down")
+        if self._monitor is not None:
+            self._monitor.cancel()
+            with contextlib.suppress(BaseException):
+                await self._monitor
+        await asyncio.get_running_loop().run_in_executor(None, self._kill_now)
+        tm, self._tm = self._tm, None
+        if tm is not None:
+            for task in list(getattr(tm, "asyncio_tasks", ())):
+                task.cancel()
+            with contextlib.suppress(Exception):
+                tm.cuda_vmm_feature_transport.shutdown()
+            mm = getattr(tm, "mm_processor", None)
+            if mm is not None:
+                with contextlib.suppress(Exception):
+                    mm.shutdown()
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            with contextlib.suppress(Exception):
+                engine.send_to_rpc.close(linger=0)
+            atexit.unregister(self._kill_now)
+        shutil.rmtree(self._result_dir, ignore_errors=True)
+        self._restore_signals()
+
+    def _restore_signals(self) -> None:
+        if self._quit_guard == "handler" and threading.current_thread() is threading.main_thread():
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_signal_handler(signal.SIGQUIT)
+            with contextlib.suppress(Exception):
+                signal.signal(signal.SIGQUIT, self._signals[signal.SIGQUIT])
+        else:
+            _unguard_sigquit(self._quit_guard)
+        self._quit_guard = ""
+
+    def _kill_now(self) -> None:
+        processes.kill(self._procs, grace_s=3.0)
+
+    @staticmethod
+    def _kill_late(future: asyncio.Future[Any], before: set[int]) -> None:
+        """An engine whose start was cancelled (startup timeout): kill what it started."""
+        processes.kill(processes.started_since(before), grace_s=2.0)
+
+    def engine_processes(self) -> list[int]:
+        """Pids of the processes the engine started that are still running."""
+        return [p.pid for p in processes.alive(self._procs)]
+
+    def all_engine_processes(self) -> list[int]:
+        """Pids of every process the engine start created (alive or not)."""
+        return [p.pid for p in self._procs]
