@@ -391,6 +391,14 @@ class EngineConfig:
         if not self.model:
             raise InvalidRequest("model", "must be a model directory or name, got ''")
 
+    @classmethod
+    def from_file(cls, path: str, **overrides: Any) -> EngineConfig:
+        """Read the ``rollout:`` section of a YAML or TOML file (verl's layout); ``overrides``
+        (e.g. command-line values) win. See :mod:`rlinfer_core.config_file`."""
+        from rlinfer_core.config_file import from_file
+
+        return from_file(path, **overrides)
+
 
 def parse_assignments(items: Sequence[str], what: str = "engine_kwargs") -> dict[str, Any]:
     """Parse ``["key=value", ...]`` (from a command line); values are JSON when they parse
