@@ -1,4 +1,12 @@
-"""The ``rlinfer`` command: ``backends``, ``bench``, ``conformance``, ``demo``.
+"""The ``rlinfer`` command. ``backends`` is built in; every other subcommand comes from the
+``rlinfer.commands`` entry-point group.
+
+Each entry point names a function ``register(subparsers)`` that adds one or more subcommands
+(``subparsers.add_parser(...)`` with ``set_defaults(func=...)``), like simonw/llm's
+``register_commands``. The core registers ``bench`` and ``demo`` this way; ``rlinfer-conformance``
+adds ``conformance`` and ``rlinfer-server`` adds ``serve``. A command plugin that fails to load or
+register is listed under ``load_errors`` by ``rlinfer backends`` and never breaks the CLI.
+``RLINFER_COMMANDS`` (comma-separated names) restricts which entry points load.
 
 Subcommands import their heavy modules only when run, so ``rlinfer backends`` stays fast and
 imports neither torch nor any engine.
@@ -7,17 +15,67 @@ imports neither torch nor any engine.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata as md
 import json
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from rlinfer_core.discovery import discover
-from rlinfer_core.errors import RLInferError
+from rlinfer_core.discovery import LoadFailure, discover
+from rlinfer_core.errors import InvalidRequest, RLInferError
+
+COMMANDS_GROUP = "rlinfer.commands"
+COMMANDS_ENV = "RLINFER_COMMANDS"
+BUILTIN_COMMANDS = ("backends",)
+
+
+def load_commands(subparsers: Any) -> list[LoadFailure]:
+    """Call every ``rlinfer.commands`` entry point with ``subparsers``; return what failed."""
+    raw = os.environ.get(COMMANDS_ENV, "").strip()
+    allowed = {n.strip() for n in raw.split(",") if n.strip()} if raw else None
+    failures: list[LoadFailure] = []
+    seen: set[str] = set()
+    for ep in sorted(md.entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
+        if allowed is not None and ep.name not in allowed:
+            continue
+        dist = f"{ep.dist.name} {ep.dist.version}" if ep.dist is not None else "unknown distribution"
+        problem: str | None = None
+        if ep.name in seen or ep.name in BUILTIN_COMMANDS:
+            problem = f"duplicate command entry point name {ep.name!r} (first one kept)"
+        else:
+            before = set(subparsers.choices)
+            try:
+                register = ep.load()
+                if not callable(register):
+                    raise TypeError(f"entry point must name a function register(subparsers), got {register!r}")
+                register(subparsers)
+            except Exception as exc:  # one broken command must never break the others
+                problem = f"{type(exc).__name__}: {exc}"
+                for name in set(subparsers.choices) - before:  # drop what it half-registered
+                    _remove_subparser(subparsers, name)
+        if problem is None:
+            seen.add(ep.name)
+        else:
+            failures.append(LoadFailure(COMMANDS_GROUP, ep.name, ep.value, dist, problem))
+    return failures
+
+
+def _remove_subparser(subparsers: Any, name: str) -> None:
+    subparsers.choices.pop(name, None)
+    subparsers._choices_actions[:] = [a for a in subparsers._choices_actions if a.dest != name]
+
+
+def _command_failures() -> list[LoadFailure]:
+    sub = argparse.ArgumentParser(add_help=False).add_subparsers()
+    for name in BUILTIN_COMMANDS:
+        sub.add_parser(name)
+    return load_commands(sub)
 
 
 def backends_report() -> dict[str, Any]:
-    """Every discovered backend with its engine version and capabilities, and load failures."""
+    """Every discovered backend with its engine version and capabilities, and load failures
+    (of backends, observer plugins and command plugins)."""
     found = discover()
     rows = []
     for name, info in sorted(found.backends.items()):
@@ -37,7 +95,7 @@ def backends_report() -> dict[str, Any]:
         rows.append(row)
     failures = [
         {"group": f.group, "name": f.name, "entry_point": f.value, "distribution": f.distribution, "error": f.error}
-        for f in found.failures
+        for f in (*found.failures, *_command_failures())
     ]
     return {"backends": rows, "plugins": sorted(found.plugins), "load_errors": failures}
 
@@ -76,38 +134,86 @@ def _cmd_backends(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--config FILE`` and ``--set FIELD=VALUE`` (EngineConfig fields; flags beat the file)."""
+    parser.add_argument("--config", metavar="FILE", help="YAML or TOML file with a rollout: section (EngineConfig)")
+    parser.add_argument(
+        "--set",
+        dest="config_set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="an EngineConfig field (JSON value), overriding the config file (repeatable)",
+    )
+
+
+def config_layers(args: argparse.Namespace, flags: Mapping[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
+    """The config file's settings (or None) and the command-line fields that override it:
+    ``--set`` items, then the explicit ``flags`` (None values mean "not given")."""
+    from rlinfer_core.config_file import read_config_file
+    from rlinfer_core.types import parse_assignments
+
+    settings = read_config_file(args.config) if getattr(args, "config", None) else None
+    overrides = parse_assignments(getattr(args, "config_set", []) or [], "--set")
+    overrides.update({k: v for k, v in (flags or {}).items() if v is not None})
+    return settings, overrides
+
+
+def backend_name(args: argparse.Namespace, settings: Any) -> str:
+    """``--backend``, else the config file's ``rollout.name``."""
+    name = getattr(args, "backend", None) or (settings.backend if settings is not None else None)
+    if not name:
+        raise InvalidRequest("backend", "give --backend NAME (or rollout.name in the --config file)")
+    return str(name)
+
+
+def _apply_simple_config(
+    args: argparse.Namespace, command: str, honoured: Sequence[str], default_backend: str | None = None
+) -> None:
+    """For commands that build their own EngineConfig from ``args.model``/``args.dtype``/
+    ``args.engine_arg``: fill those from the file and refuse what the command cannot honour."""
+    settings, overrides = config_layers(args)
+    if default_backend and not args.backend and (settings is None or settings.backend is None):
+        args.backend = default_backend
+    args.backend = backend_name(args, settings)
+    fields = {**(settings.fields if settings else {}), **overrides}
+    ignored = sorted(set(fields) - set(honoured))
+    if ignored:
+        raise InvalidRequest(
+            ignored[0], f"rlinfer {command} takes only {sorted(honoured)} from --config/--set, not {ignored}"
+        )
+    if getattr(args, "model", None) is None and "model" in fields:
+        args.model = fields["model"]
+    if getattr(args, "dtype", None) is None and "dtype" in fields:
+        args.dtype = fields["dtype"]
+    if "engine_kwargs" in fields:
+        args.engine_arg = [f"{k}={json.dumps(v)}" for k, v in dict(fields["engine_kwargs"]).items()] + list(
+            getattr(args, "engine_arg", []) or []
+        )
+    if settings is not None or overrides:
+        from rlinfer_core.config_file import engine_config
+
+        engine_config(settings, overrides, defaults={"model": "x"})  # values checked with cattrs
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
+    _apply_simple_config(args, "bench", ("model", "dtype", "engine_kwargs"))
     from rlinfer_core.bench import main as bench_main
 
     return int(bench_main(args))
 
 
-def _cmd_conformance(args: argparse.Namespace) -> int:
-    try:
-        from rlinfer_conformance.runner import main as conformance_main
-    except ImportError:
-        print("rlinfer conformance needs the kit: pip install rlinfer-conformance", file=sys.stderr)
-        return 2
-    return int(conformance_main(args))
-
-
 def _cmd_demo(args: argparse.Namespace) -> int:
+    _apply_simple_config(args, "demo", ("model",), default_backend="vllm")
     from rlinfer_core.demo.cli import main as demo_main
 
     return int(demo_main(args))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of the ``rlinfer`` command."""
-    parser = argparse.ArgumentParser(prog="rlinfer", description="One contract for RL rollout engines.")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("backends", help="list installed backends, engine versions, capabilities, load errors")
-    p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(func=_cmd_backends)
-
-    p = sub.add_parser("bench", help="rlinfer vs the raw engine: generate throughput and weight-update time")
-    p.add_argument("--backend", required=True)
+def register_bench(subparsers: Any) -> None:
+    """``rlinfer bench`` (entry point of the ``rlinfer.commands`` group)."""
+    p = subparsers.add_parser("bench", help="rlinfer vs the raw engine: generate throughput and weight-update time")
+    p.add_argument("--backend", help="backend name (or rollout.name in --config)")
     p.add_argument("--model", help="HF model dir (default: a tiny random model)")
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=32)
@@ -122,29 +228,47 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="engine-specific argument passed through EngineConfig.engine_kwargs (repeatable)",
     )
+    add_config_arguments(p)
     p.set_defaults(func=_cmd_bench)
 
-    p = sub.add_parser("conformance", help="run the conformance kit against a backend")
-    p.add_argument("--backend", required=True)
-    p.add_argument("--report", help="write the JSON report here")
-    p.add_argument("--profile", default="ci", choices=["ci", "thorough"], help="hypothesis profile")
-    p.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
-    p.set_defaults(func=_cmd_conformance)
 
-    p = sub.add_parser("demo", help="a real GRPO loop through rlinfer on the tiny model (or --model)")
-    p.add_argument("--backend", default="vllm")
+def register_demo(subparsers: Any) -> None:
+    """``rlinfer demo`` (entry point of the ``rlinfer.commands`` group)."""
+    p = subparsers.add_parser("demo", help="a real GRPO loop through rlinfer on the tiny model (or --model)")
+    p.add_argument("--backend", default=None, help="backend name (default: rollout.name in --config, else vllm)")
     p.add_argument("--model", help="local HF causal LM dir (default: the tiny model)")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--out", default="out/demo")
+    add_config_arguments(p)
     p.set_defaults(func=_cmd_demo)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``rlinfer`` command (built-ins plus ``rlinfer.commands``)."""
+    parser = argparse.ArgumentParser(prog="rlinfer", description="One contract for RL rollout engines.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("backends", help="list installed backends, engine versions, capabilities, load errors")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_cmd_backends)
+    failures = load_commands(sub)
+    parser.set_defaults(command_load_errors=failures)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``rlinfer`` console script."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    broken = {f.name: f for f in parser.get_default("command_load_errors")}
+    if argv and argv[0] in broken:
+        f = broken[argv[0]]
+        print(f"rlinfer: error: command {f.name!r} from {f.distribution} failed to load: {f.error}", file=sys.stderr)
+        return 1
+    args = parser.parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
     try:
-        return int(args.func(args))
+        return int(func(args))
     except RLInferError as exc:
         print(f"rlinfer: error: {exc}", file=sys.stderr)
         return 1
