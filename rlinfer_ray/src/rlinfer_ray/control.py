@@ -1,0 +1,367 @@
+"""The pool's control plane: fan-out, weight updates, broadcast groups, restarts.
+
+Weight updates are all-or-nothing from the trainer's view:
+
+- the update is validated once here, against the engines' weight specs, before any replica is
+  touched: a bad update (shape, dtype, NaN, corrupt bucket, ...) fails on no replica at all;
+- it is then sent to every replica at once (named tensors and buckets go into Ray's object
+  store once and every replica reads them from there; a checkpoint directory by path; a
+  broadcast reaches every replica's workers in one group, see :meth:`init_weight_broadcast`);
+- when every replica rejects it, the error is raised and the pool version stays;
+- when some replicas loaded it and others failed, the failed ones leave routing at once, are
+  restarted and re-synced to the new weights before they serve again; the pool's version is the
+  new one, and every replica that serves serves it. Each completion carries the version (per
+  token) of the replica that produced it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import attrs
+from rlinfer_core.engine import TRANSPORT_CAPABILITY, transport_name
+from rlinfer_core.errors import EngineDead, InvalidRequest, RLInferError, WeightUpdateError
+from rlinfer_core.types import Capability, MemoryTag, PauseMode
+from rlinfer_core.weights import (
+    BroadcastGroup,
+    BroadcastSource,
+    Buckets,
+    CheckpointDir,
+    NamedTensors,
+    WeightSource,
+    WeightUpdate,
+)
+
+from rlinfer_ray.replica import is_replica_death
+from rlinfer_ray.replicas import Replica, State, death_message
+
+if TYPE_CHECKING:
+    from rlinfer_core.checksum import WeightChecksum, WeightVerification
+    from rlinfer_core.engine import EngineConfig
+    from rlinfer_core.observers import Observers
+    from rlinfer_core.types import Capabilities
+    from rlinfer_core.weights import TensorSpec
+
+    from rlinfer_ray.config import PoolConfig
+    from rlinfer_ray.replicas import ReplicaSet
+
+logger = logging.getLogger(__name__)
+
+
+class ControlPlane:
+    """Fan-out operations of :class:`~rlinfer_ray.pool.EnginePool` (its base class)."""
+
+    backend_name: str
+    config: EngineConfig
+    pool_config: PoolConfig
+    _observers: Observers
+    _weight_specs: Mapping[str, TensorSpec]
+
+    def __init__(self) -> None:
+        self._version = 0
+        self._released: set[MemoryTag] = set()
+        self._paused: PauseMode | None = None
+        self._weight_lock = asyncio.Lock()
+        self._restarts: dict[int, asyncio.Task[None]] = {}
+        #: how a restarted replica gets the pool's weights back (None: it cannot; it waits STALE)
+        self._replay: Any = None
+        #: broadcast group members: replica index -> actor generation that joined
+        self._group_members: dict[int, int] = {}
+
+    # provided by EnginePool
+    @property
+    def replicas(self) -> ReplicaSet:  # pragma: no cover - overridden
+        """The replica set."""
+        raise NotImplementedError
+
+    def _ensure_open(self) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def _caps(self) -> Capabilities:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    # --- fan-out -------------------------------------------------------------------------------
+
+    async def _control(self, method: str, members: list[Replica], *args: Any, timeout: float | None = None) -> None:
+        """``method`` on every member at once; a member that died is restarted, any other error
+        is raised (the first, by replica index)."""
+        bound = timeout if timeout is not None else self.pool_config.control_timeout_s
+        results = await self.replicas.fan_out(members, lambda r: self.replicas.call(r, method, *args, timeout=bound))
+        self._raise_first(results)
+
+    def _raise_first(self, results: Mapping[int, Any]) -> None:
+        for index in sorted(results):
+            outcome = results[index]
+            if isinstance(outcome, BaseException) and is_replica_death(outcome):
+                self._replica_failed(self.replicas.replicas[index], outcome)
+        for index in sorted(results):
+            outcome = results[index]
+            if isinstance(outcome, BaseException) and not is_replica_death(outcome):
+                raise outcome
+
+    # --- restarts ------------------------------------------------------------------------------
+
+    def _replica_failed(self, replica: Replica, exc: BaseException) -> None:
+        """Take ``replica`` out of routing and restart it in the background (once at a time)."""
+        if replica.state in (State.FAILED, State.STOPPED) and replica.index in self._restarts:
+            return
+        replica.state = State.FAILED
+        replica.error = death_message(replica, exc)
+        logger.warning("%s; restarting it", replica.error)
+        if not self.pool_config.restart or self._closed_flag():
+            return
+        task = self._restarts.get(replica.index)
+        if task is None or task.done():
+            self._restarts[replica.index] = asyncio.get_running_loop().create_task(self._restart(replica))
+
+    def _closed_flag(self) -> bool:
+        return bool(getattr(self, "_closed", False))
+
+    async def _restart(self, replica: Replica) -> None:
+        """Fresh actor and engine in the same bundle, then re-sync to the pool's weights."""
+        try:
+            for attempt in range(3):
+                await self.replicas.stop(replica, State.FAILED)
+                if self._closed_flag():
+                    return
+                self.replicas.spawn(replica)
+                try:
+                    await self.replicas.start(replica)
+                    await self._resync(replica)
+                    replica.restarts += 1
+                    return
+                except Exception as exc:
+                    replica.error = f"restart {attempt + 1} failed: {type(exc).__name__}: {exc}"
+                    logger.warning("replica %d: %s", replica.index, replica.error)
+            replica.state = State.FAILED
+        finally:
+            self._restarts.pop(replica.index, None)
+
+    async def _resync(self, replica: Replica) -> None:
+        async with self._weight_lock:
+            if self._version > 0:
+                if self._replay is None:
+                    replica.state = State.STALE  # waits for the next update (broadcast: re-init the group)
+                    return
+                await self.replicas.call(
+                    replica,
+                    "update_weights",
+                    self._replay,
+                    version=self._version,
+                    timeout=self.config.request_timeout_s,
+                )
+            replica.version = self._version
+            if self._paused is not None:
+                await self.replicas.call(replica, "pause", self._paused, timeout=self.pool_config.control_timeout_s)
+            replica.state = State.SERVING
+
+    async def wait_ready(self, timeout_s: float = 600.0) -> None:
+        """Return once no restart is running and every replica serves (EngineDead otherwise)."""
+        deadline = time.monotonic() + timeout_s
+        while self._restarts:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.gather(*self._restarts.values(), return_exceptions=True), remaining)
+        bad = [r for r in self.replicas.replicas if r.state is not State.SERVING]
+        if bad:
+            raise EngineDead("replicas not serving: " + "; ".join(f"{r.index}: {r.state} ({r.error})" for r in bad))
+
+    # --- weights -------------------------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> int:
+        """Version every serving replica serves: 0 at start, +1 (or as requested) per update."""
+        return self._version
+
+    async def update_weights(
+        self, update: WeightUpdate | WeightSource | Mapping[str, Any], *, version: int | None = None
+    ) -> int:
+        """Load new weights on every replica (see the module docstring); the new pool version."""
+        self._ensure_open()
+        if isinstance(update, Mapping):
+            update = NamedTensors.of(dict(update))
+        if not isinstance(update, WeightUpdate):
+            update = WeightUpdate(update, version=version)
+        transport = transport_name(update.source)
+        started = time.perf_counter()
+        try:
+            async with self._weight_lock:
+                target, nbytes = await self._update_locked(update)
+        except Exception as exc:
+            self._observers.emit(
+                "rlinfer_on_weight_update_failed", backend=self.backend_name, transport=transport, error=exc
+            )
+            raise
+        self._observers.emit(
+            "rlinfer_on_weights_updated",
+            backend=self.backend_name,
+            version=target,
+            transport=transport,
+            nbytes=nbytes,
+            seconds=time.perf_counter() - started,
+        )
+        return target
+
+    async def _update_locked(self, update: WeightUpdate) -> tuple[int, int]:
+        import ray
+        from rlinfer_core.transfer.validate import validate_source
+
+        self._caps().require(TRANSPORT_CAPABILITY[type(update.source)])
+        target = self._version + 1 if update.version is None else update.version
+        if target <= self._version:
+            raise WeightUpdateError(f"version {target} must be greater than the current version {self._version}")
+        if MemoryTag.WEIGHTS in self._released:
+            raise WeightUpdateError("weights are released; call resume_memory(['weights']) first")
+        nbytes = validate_source(update.source, self._weight_specs)
+        source = update.source
+        if isinstance(source, BroadcastSource):
+            members = self._broadcast_members()
+            replay: Any = None
+            shipped: Any = source
+        else:
+            members = self.replicas.alive()
+            # one copy in Ray's object store, read by every replica (and kept to re-sync restarts)
+            shipped = ray.put(source) if isinstance(source, NamedTensors | Buckets) else source
+            replay = shipped if isinstance(source, NamedTensors | Buckets | CheckpointDir) else None
+        if not members:
+            raise EngineDead(
+                f"no replica of the pool can take weights: {[r.state.value for r in self.replicas.replicas]}"
+            )
+        results = await self.replicas.fan_out(
+            members,
+            lambda r: self.replicas.call(
+                r, "update_weights", shipped, version=target, timeout=self.config.request_timeout_s
+            ),
+        )
+        loaded = [self.replicas.replicas[i] for i, res in results.items() if not isinstance(res, BaseException)]
+        failed = {i: res for i, res in results.items() if isinstance(res, BaseException)}
+        if not loaded:
+            first = failed[min(failed)]
+            for i, exc in failed.items():
+                if is_replica_death(exc):
+                    self._replica_failed(self.replicas.replicas[i], exc)
+            if isinstance(first, RLInferError) and not is_replica_death(first):
+                raise first
+            raise WeightUpdateError(
+                "no replica loaded the update", tuple(f"replica {i}: {exc}" for i, exc in sorted(failed.items()))
+            ) from first
+        self._version = target
+        self._replay = replay
+        for r in loaded:
+            r.version = target
+            if r.state is State.STALE:
+                r.state = State.SERVING
+        for i, exc in failed.items():
+            # out of routing now; the restart re-syncs it to `target` once this lock is released
+            self._replica_failed(self.replicas.replicas[i], exc)
+        return target, nbytes
+
+    def _broadcast_members(self) -> list[Replica]:
+        members = [r for r in self.replicas.alive() if self._group_members.get(r.index) == r.generation]
+        changed = [r.index for r in self.replicas.replicas if r.index in self._group_members] != [
+            r.index for r in members
+        ]
+        if not self._group_members:
+            raise WeightUpdateError("no broadcast group: call init_weight_broadcast(group) first")
+        if changed or len(members) != len(self._group_members):
+            raise WeightUpdateError(
+                "a replica of the broadcast group was restarted since init_weight_broadcast; call "
+                "init_weight_broadcast again with a new group (the restarted replica waits out of routing)"
+            )
+        return members
+
+    @property
+    def broadcast_ranks(self) -> int:
+        """Ranks the pool takes in a broadcast group: one per tensor-parallel worker per replica."""
+        return self.config.tensor_parallel_size * len(self.replicas.alive())
+
+    async def init_weight_broadcast(self, group: BroadcastGroup) -> None:
+        """Have every replica's workers join ONE group with the trainer (rank 0).
+
+        Replica k takes ranks ``group.rank_offset + k * tensor_parallel_size`` onwards, so one
+        broadcast from the trainer reaches every replica. ``group.world_size`` must be at least
+        ``rank_offset + broadcast_ranks``.
+        """
+        self._ensure_open()
+        self._caps().require(Capability.WEIGHTS_BROADCAST)
+        members = self.replicas.alive()
+        need = group.rank_offset + self.broadcast_ranks
+        if need > group.world_size:
+            raise InvalidRequest(
+                "world_size",
+                f"a pool of {len(members)} replicas x {self.config.tensor_parallel_size} ranks needs "
+                f"world_size >= rank_offset + {self.broadcast_ranks} = {need}, got {group.world_size}",
+            )
+        self._group_members = {}
+        offsets = {}
+        for k, r in enumerate(members):
+            offsets[r.index] = group.rank_offset + k * self.config.tensor_parallel_size
+        results = await self.replicas.fan_out(
+            members,
+            lambda r: self.replicas.call(
+                r,
+                "init_weight_broadcast",
+                attrs.evolve(group, rank_offset=offsets[r.index]),
+                timeout=group.timeout_s + 60.0,
+            ),
+        )
+        self._raise_first(results)
+        self._group_members = {r.index: r.generation for r in members}
+
+    async def weights_checksum(self) -> Mapping[str, WeightChecksum]:
+        """Checksums of the served weights; every serving replica must report the same ones."""
+        self._ensure_open()
+        self._caps().require(Capability.WEIGHTS_CHECKSUM)
+        per = await self._checksums()
+        first = per[min(per)]
+        differ = [i for i, sums in per.items() if sums != first]
+        if differ:
+            raise WeightUpdateError(f"replicas {differ} serve other weights than replica {min(per)}")
+        return first
+
+    async def _checksums(self) -> dict[int, Mapping[str, WeightChecksum]]:
+        members = self.replicas.serving()
+        timeout = self.config.request_timeout_s
+        results = await self.replicas.fan_out(
+            members, lambda r: self.replicas.call(r, "weights_checksum", timeout=timeout)
+        )
+        self._raise_first(results)
+        per = {i: res for i, res in results.items() if not isinstance(res, BaseException)}
+        if not per:
+            raise EngineDead("no replica of the pool is serving")
+        return per
+
+    async def verify_weights(self, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> WeightVerification:
+        """Compare every serving replica's weights with ``tensors``; the first mismatch, if any."""
+        from rlinfer_core.checksum import verify
+
+        self._caps().require(Capability.WEIGHTS_CHECKSUM)
+        pairs = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
+        per = await self._checksums()
+        tied = getattr(getattr(self, "model_info", None), "tied_weights", None) or {}
+        results = [verify(per[i], pairs, tied) for i in sorted(per)]
+        return next((res for res in results if not res.ok), results[0])
+
+    def engine_processes(self) -> Mapping[str, int]:
+        """``{"replica<i>.<role>": pid}`` over every live replica, with each actor as ``.actor``.
+
+        Blocking (as AsyncEngine's): call it outside the pool's event loop.
+        """
+        import ray
+
+        self._ensure_open()
+        out: dict[str, int] = {}
+        for r in self.replicas.alive():
+            status, value = ray.get(r.actor.call.remote("engine_processes"), timeout=self.pool_config.control_timeout_s)
+            if status == "ok":
+                out.update({f"replica{r.index}.{role}": pid for role, pid in value.items()})
+            if r.pid is not None:
+                out[f"replica{r.index}.actor"] = r.pid
+        return out

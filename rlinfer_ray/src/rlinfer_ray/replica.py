@@ -1,0 +1,105 @@
+"""One replica: an :class:`rlinfer_core.engine.AsyncEngine` of any backend inside a Ray actor.
+
+The actor answers every call with ``("ok", value)`` or ``("err", packed_error)`` so that the
+contract's typed errors (InvalidRequest with its field, WeightUpdateError with its problems, ...)
+reach the pool as the same types, whatever their constructors take. An actor that dies shows up
+on the pool side as Ray's ``RayActorError``; :func:`is_replica_death` names both ways a replica
+can be gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from rlinfer_core.types import EngineConfig, GenerateRequest
+
+from rlinfer_core import errors
+
+Reply = tuple[str, Any]
+
+#: attributes of an rlinfer error that are carried along with its message
+_ERROR_ATTRS = ("field", "problems", "capability", "backend", "reason")
+
+
+def pack_error(exc: BaseException) -> dict[str, Any]:
+    """A picklable description of ``exc`` that :func:`unpack_error` turns back into its type."""
+    return {
+        "type": type(exc).__name__ if isinstance(exc, errors.RLInferError) else "RLInferError",
+        "message": str(exc) if isinstance(exc, errors.RLInferError) else f"{type(exc).__name__}: {exc}",
+        "attrs": {k: getattr(exc, k) for k in _ERROR_ATTRS if hasattr(exc, k)},
+    }
+
+
+def unpack_error(packed: Mapping[str, Any], where: str = "") -> errors.RLInferError:
+    """The typed rlinfer error described by ``packed`` (message prefixed with ``where``)."""
+    cls = getattr(errors, str(packed.get("type")), errors.RLInferError)
+    if not (isinstance(cls, type) and issubclass(cls, errors.RLInferError)):
+        cls = errors.RLInferError
+    exc = cls.__new__(cls)
+    Exception.__init__(exc, f"{where}{packed['message']}")
+    for key, value in dict(packed.get("attrs", {})).items():
+        setattr(exc, key, value)
+    return exc
+
+
+def is_replica_death(exc: BaseException) -> bool:
+    """True when ``exc`` means the replica can no longer serve (its actor or its engine died)."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, WorkerCrashedError
+
+    return isinstance(
+        exc, RayActorError | ActorDiedError | ActorUnavailableError | WorkerCrashedError | errors.EngineDead
+    )
+
+
+class ReplicaActor:
+    """The body of the replica actor (made remote by the pool with its placement options)."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.engine: Any = None
+
+    async def start(self, backend: str, config: EngineConfig) -> Reply:
+        """Open the engine; returns what the pool mirrors (capabilities, model info, specs)."""
+        from rlinfer_core.engine import AsyncEngine
+
+        try:
+            self.engine = await AsyncEngine.open(backend, config, load_entry_point_plugins=False)
+            return (
+                "ok",
+                {
+                    "capabilities": self.engine.capabilities,
+                    "model_info": self.engine.model_info,
+                    "weight_specs": dict(self.engine.weight_specs),
+                    "pid": os.getpid(),
+                },
+            )
+        except Exception as exc:
+            return ("err", pack_error(exc))
+
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> Reply:
+        """Await ``engine.method(*args, **kwargs)`` (or read a property when ``method`` names one)."""
+        try:
+            if self.engine is None:
+                raise errors.EngineDead(f"replica {self.index} has no engine (start failed or not called)")
+            target = getattr(self.engine, method)
+            value = target(*args, **kwargs) if callable(target) else target
+            if asyncio.iscoroutine(value):
+                value = await value
+            return ("ok", dict(value) if isinstance(value, Mapping) else value)
+        except Exception as exc:
+            return ("err", pack_error(exc))
+
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[Reply]:
+        """Stream one request's deltas (a Ray streaming generator)."""
+        try:
+            async for delta in self.engine.stream(request):
+                yield ("ok", delta)
+        except Exception as exc:
+            yield ("err", pack_error(exc))
+
+    def pid(self) -> int:
+        """The actor's process id."""
+        return os.getpid()
