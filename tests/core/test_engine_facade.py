@@ -329,8 +329,21 @@ class UnknownHook:
 
 
 @pytest.mark.parametrize("plugin", [WrongArgumentName(), UnknownHook()])
-def test_bad_hookimpls_are_rejected_at_registration(plugin: Any) -> None:
+def test_observers_with_operation_hooks_are_refused_at_registration(plugin: Any) -> None:
+    from recording_double import DOUBLE_INFO
+
+    with pytest.raises(InvalidRequest, match="observers may implement only"):
+        AsyncEngine(DOUBLE_INFO, RecordingDoubleBackend(), EngineConfig(model="m"), [plugin])
+
+
+class WrongEventArguments:
+    @hookimpl
+    def rlinfer_on_engine_started(self, backend: str, not_an_argument: int) -> None:
+        return None
+
+
+def test_bad_event_hookimpls_are_rejected_at_registration() -> None:
     from recording_double import DOUBLE_INFO
 
     with pytest.raises(pluggy.PluginValidationError):
-        AsyncEngine(DOUBLE_INFO, RecordingDoubleBackend(), EngineConfig(model="m"), [plugin])
+        AsyncEngine(DOUBLE_INFO, RecordingDoubleBackend(), EngineConfig(model="m"), [WrongEventArguments()])

@@ -8,7 +8,7 @@ must be the argmax (up to exact ties), and each token's logprob must equal
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -76,6 +76,12 @@ class Oracle:
         if self._tokenizer is None:
             self._tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
 
+    def tied(self, key: str) -> dict[str, str]:
+        """``{"lm_head.weight": "model.embed_tokens.weight"}`` when model ``key`` ties them."""
+        config = self._models[key].config
+        tie = getattr(config, "tie_word_embeddings", False)
+        return {"lm_head.weight": "model.embed_tokens.weight"} if tie else {}
+
     def model_dir(self, key: str) -> Path:
         """Directory the model ``key`` was loaded from."""
         return self._dirs[key]
@@ -117,18 +123,65 @@ class Oracle:
     def check(self, key: str, request: GenerateRequest, completion: Completion) -> Parity:
         """Teacher-force ``completion`` through model ``key`` and compare tokens and logprobs.
 
-        Greedy tokens are checked against the argmax; logprobs against log_softmax(logits / T).
+        Greedy tokens are checked against the argmax of the processed logits; logprobs against
+        the request's logprobs mode (:mod:`rlinfer_conformance.processing`).
         """
-        import torch
-
         tokens = list(completion.token_ids)
         if not tokens:
             return EMPTY
         prompt = list(completion.prompt_token_ids)
         logits = self.logits(key, prompt + tokens)[len(prompt) - 1 : len(prompt) - 1 + len(tokens)]
+        return self._compare(request, completion, prompt, logits)
+
+    def check_versions(self, keys: Mapping[int, str], request: GenerateRequest, completion: Completion) -> Parity:
+        """Check a greedy completion whose tokens came from two weight versions (an update while
+        it was in flight): each token against the model of its own version.
+
+        After the switch at token ``k`` the engine attends to KV computed by the old weights for
+        the prompt and tokens before ``k - 1`` (unless it recomputed them); both readings are
+        tried and the closer one is returned.
+        """
+        import torch
+
+        versions = list(completion.token_versions or ())
+        tokens = list(completion.token_ids)
+        prompt = list(completion.prompt_token_ids)
+        assert len(versions) == len(tokens), "one version per token"
+        switch = next((i for i, v in enumerate(versions) if v != versions[0]), len(tokens))
+        assert all(v == versions[-1] for v in versions[switch:]), f"one switch at most: {versions}"
+        old, new = keys[versions[0]], keys[versions[-1]]
+        full_old = self.logits(old, prompt + tokens)[len(prompt) - 1 : len(prompt) - 1 + len(tokens)]
+        if switch == len(tokens):
+            return self._compare(request, completion, prompt, full_old)
+        full_new = self.logits(new, prompt + tokens)[len(prompt) - 1 : len(prompt) - 1 + len(tokens)]
+        recomputed = torch.cat([full_old[:switch], full_new[switch:]])
+        mixed = torch.cat([full_old[:switch], self._logits_on_cache(old, new, prompt, tokens, switch)])
+        a = self._compare(request, completion, prompt, mixed)
+        b = self._compare(request, completion, prompt, recomputed)
+        return min(a, b, key=lambda p: (len(p.argmax_mismatches), p.max_abs_logprob_delta))
+
+    def _logits_on_cache(self, old: str, new: str, prompt: list[int], tokens: list[int], switch: int) -> torch.Tensor:
+        """Logits of model ``new`` predicting ``tokens[switch:]`` over KV that model ``old``
+        computed for ``prompt + tokens[:switch - 1]``."""
+        import torch
+
+        prefix = prompt + tokens[: switch - 1]
+        with torch.inference_mode():
+            cache = self._models[old](torch.tensor([prefix]), use_cache=True).past_key_values
+            out = self._models[new](torch.tensor([tokens[switch - 1 : len(tokens) - 1]]), past_key_values=cache)
+        logits: torch.Tensor = out.logits[0].float()
+        return logits
+
+    def _compare(
+        self, request: GenerateRequest, completion: Completion, prompt: list[int], logits: torch.Tensor
+    ) -> Parity:
+        import torch
+
+        from rlinfer_conformance.processing import processed_logprobs
+
+        tokens = list(completion.token_ids)
         s = request.sampling
-        scaled = logits if s.greedy else logits / s.temperature
-        logprobs = torch.log_softmax(scaled.double(), dim=-1)
+        logprobs = processed_logprobs(logits, prompt, tokens, s)
         picked = logprobs[torch.arange(len(tokens)), torch.tensor(tokens)]
         engine = torch.tensor(completion.logprobs, dtype=torch.float64)
         delta = float((picked - engine).abs().max()) if len(engine) == len(tokens) else float("inf")
@@ -136,11 +189,12 @@ class Oracle:
         tie = self.tie_tolerance
         if s.greedy:
             for i, token in enumerate(tokens):
-                best = int(logits[i].argmax())
-                if best != token and float(logits[i][best] - logits[i][token]) > tie:
+                row = logprobs[i]
+                best = int(row.argmax())
+                gap = float(row[best] - row[token])
+                if best != token and gap > tie:
                     mismatches.append(
-                        f"{request.request_id}[{i}]: engine {token}, oracle argmax {best} "
-                        f"(logit gap {float(logits[i][best] - logits[i][token]):.3g})"
+                        f"{request.request_id}[{i}]: engine {token}, oracle argmax {best} (logprob gap {gap:.3g})"
                     )
         return Parity(delta, len(tokens), tuple(mismatches))
 

@@ -28,10 +28,14 @@ class KitReport:
     timings: dict[str, float] = attrs.field(factory=dict)
     notes: list[str] = attrs.field(factory=list)
 
-    def record_parity(self, checkpoint: str, max_abs_logprob_delta: float, tokens: int, mismatches: int) -> None:
-        """Remember the parity measured at ``checkpoint`` (e.g. "start", "after_update_1")."""
+    def record_parity(
+        self, checkpoint: str, max_abs_logprob_delta: float, tokens: int, mismatches: int, architecture: str = "llama"
+    ) -> None:
+        """Remember the parity measured at ``checkpoint`` (e.g. "start", "after_update_1") on the
+        tiny model of ``architecture``."""
         self.parity.append(
             {
+                "architecture": architecture,
                 "checkpoint": checkpoint,
                 "max_abs_logprob_delta": max_abs_logprob_delta,
                 "tokens_checked": tokens,
@@ -58,6 +62,14 @@ class KitReport:
         for entry in self.tests.values():
             outcomes[entry["outcome"]] = outcomes.get(entry["outcome"], 0) + 1
         deltas = [p["max_abs_logprob_delta"] for p in self.parity]
+        by_architecture: dict[str, dict[str, Any]] = {}
+        for p in self.parity:
+            entry = by_architecture.setdefault(
+                p["architecture"], {"max_abs_logprob_delta": 0.0, "tokens_checked": 0, "checkpoints": 0}
+            )
+            entry["max_abs_logprob_delta"] = max(entry["max_abs_logprob_delta"], p["max_abs_logprob_delta"])
+            entry["tokens_checked"] += p["tokens_checked"]
+            entry["checkpoints"] += 1
         return {
             "backend": self.backend,
             "engine_version": self.engine_version,
@@ -71,6 +83,7 @@ class KitReport:
             "capabilities": self.capabilities,
             "summary": outcomes,
             "max_abs_logprob_delta": max(deltas) if deltas else None,
+            "parity_by_architecture": by_architecture,
             "parity": self.parity,
             "skipped_capabilities": self.skipped_capabilities,
             "timings_s": {k: round(v, 4) for k, v in self.timings.items()},

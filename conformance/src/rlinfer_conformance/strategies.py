@@ -23,7 +23,22 @@ def sampling_params(draw: st.DrawFn, caps: Capabilities, vocab_size: int, max_to
         seed = draw(st.none() | st.integers(0, 2**31 - 1))
     top = draw(st.integers(0, 3)) if caps.supports(Capability.TOP_LOGPROBS) else 0
     stop_ids = draw(st.lists(st.integers(0, vocab_size - 1), max_size=2, unique=True))
+    if temperature > 0 and not caps.supports(Capability.LOGPROBS_PROCESSED):
+        top_p, top_k = 1.0, -1
+    # at most one more processor family per request: the oracle checks each on its own
+    families: list[dict[str, object]] = [{}]
+    if caps.supports(Capability.SAMPLING_PENALTIES):
+        families.append({"repetition_penalty": 1.3, "presence_penalty": 0.5})
+        families.append({"frequency_penalty": 0.7})
+    if caps.supports(Capability.SAMPLING_LOGIT_BIAS):
+        families.append({"logit_bias": {draw(st.integers(0, vocab_size - 1)): 2.0}})
+    if caps.supports(Capability.SAMPLING_MIN_P) and top_p == 1.0 and top_k == -1:
+        families.append({"min_p": 0.1})
+    if caps.supports(Capability.LOGPROBS_RAW):
+        families.append({"logprobs_mode": "raw"})
+    extra = draw(st.sampled_from(families))
     return SamplingParams(
+        **extra,  # type: ignore[arg-type]
         temperature=temperature,
         top_p=top_p,
         top_k=top_k,

@@ -85,6 +85,15 @@ class EventRecorder:
         self.events.append(("rlinfer_on_engine_shutdown", {}))
 
 
+def make_models(tmp: Path, architecture: str) -> tuple[Path, Path]:
+    """The kit's two tiny models of ``architecture``: seed 0 (served at start) and seed 1."""
+    from rlinfer_core.tiny_model import TinyModelSpec, make_tiny_model
+
+    spec = TinyModelSpec(architecture=architecture)
+    base = make_tiny_model(tmp / f"{architecture}-seed0", seed=0, spec=spec)
+    return base, make_tiny_model(tmp / f"{architecture}-seed1", seed=1, spec=spec)
+
+
 def default_config(model_dir: Path, overrides: Mapping[str, Any]) -> EngineConfig:
     """The kit's engine: float32, short context, small KV cache, seed 0, bounded timeouts."""
     fields: dict[str, Any] = {
@@ -108,8 +117,17 @@ class KitWorld:
     weights keep it up to date, and :meth:`restore` brings the base weights back.
     """
 
-    def __init__(self, engine: Engine, oracle: Oracle, report: KitReport, events: EventRecorder, tmp: Path) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        oracle: Oracle,
+        report: KitReport,
+        events: EventRecorder,
+        tmp: Path,
+        architecture: str = "llama",
+    ) -> None:
         self.engine = engine
+        self.architecture = architecture
         self.oracle = oracle
         self.report = report
         self.events = events
@@ -201,14 +219,18 @@ class KitWorld:
         parity = self.oracle.check_all(self.current, requests, completions)
         if checkpoint is not None:
             self.report.record_parity(
-                checkpoint, parity.max_abs_logprob_delta, parity.tokens_checked, len(parity.argmax_mismatches)
+                checkpoint,
+                parity.max_abs_logprob_delta,
+                parity.tokens_checked,
+                len(parity.argmax_mismatches),
+                self.architecture,
             )
         assert not parity.argmax_mismatches, "greedy tokens differ from the oracle's argmax:\n" + "\n".join(
             parity.argmax_mismatches[:10]
         )
         assert parity.max_abs_logprob_delta <= LOGPROB_TOLERANCE, (
             f"max |logprob - oracle| = {parity.max_abs_logprob_delta:.3g} > {LOGPROB_TOLERANCE} "
-            f"(weights {self.current}, {parity.tokens_checked} tokens)"
+            f"(weights {self.current}, {parity.tokens_checked} tokens, {self.architecture})"
         )
         return parity
 
@@ -255,7 +277,19 @@ class KitWorld:
         self.report.timings[name] = time.perf_counter() - started
         self.current = key
         assert version == before + 1 == self.engine.weight_version, (before, version, self.engine.weight_version)
+        self.verify_served(key, f"after {transport.value} update to {key}")
         return version
+
+    def verify_served(self, key: str, when: str) -> None:
+        """Integrity readback: the engine serves oracle model ``key`` bit for bit (when the
+        backend claims ``weights.checksum``)."""
+        if not self.supports(Capability.WEIGHTS_CHECKSUM):
+            return
+        result = self.engine.verify_weights(self.oracle.named_parameters(key))
+        assert result.ok, (
+            f"{when}: the engine does not serve what was sent: mismatched {list(result.mismatched)}, "
+            f"missing {list(result.missing)} ({self.architecture})"
+        )
 
     def broadcast_update(self, key: str) -> int:
         """Send model ``key`` through a fresh gloo group (trainer side is rlinfer_core's)."""

@@ -3,6 +3,7 @@
 Importing this package imports neither torch nor any engine.
 """
 
+from rlinfer_core.checksum import WeightChecksum, WeightVerification
 from rlinfer_core.discovery import BackendInfo, discover, get_backend
 from rlinfer_core.engine import AsyncEngine, Engine, open_engine
 from rlinfer_core.errors import (
@@ -26,6 +27,7 @@ from rlinfer_core.types import (
     EngineConfig,
     FinishReason,
     GenerateRequest,
+    LogprobsMode,
     MemoryTag,
     PauseMode,
     SamplingParams,
@@ -68,6 +70,7 @@ __all__ = [
     "FinishReason",
     "GenerateRequest",
     "InvalidRequest",
+    "LogprobsMode",
     "ManifestEntry",
     "MemoryTag",
     "ModelInfo",
@@ -77,7 +80,9 @@ __all__ = [
     "SamplingParams",
     "TensorSpec",
     "UnsupportedCapability",
+    "WeightChecksum",
     "WeightUpdate",
+    "WeightVerification",
     "WeightUpdateError",
     "discover",
     "get_backend",

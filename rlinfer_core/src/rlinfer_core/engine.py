@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import attrs
 import pluggy
@@ -43,6 +43,7 @@ from rlinfer_core.types import (
     CompletionDelta,
     EngineConfig,
     GenerateRequest,
+    LogprobsMode,
     MemoryTag,
     PauseMode,
 )
@@ -88,6 +89,16 @@ def request_capabilities(request: GenerateRequest) -> list[Capability]:
         needed.append(Capability.SEEDED_SAMPLING)
     if s.stop:
         needed.append(Capability.STOP_STRINGS)
+    if s.min_p > 0.0:
+        needed.append(Capability.SAMPLING_MIN_P)
+    if s.penalised:
+        needed.append(Capability.SAMPLING_PENALTIES)
+    if s.biased:
+        needed.append(Capability.SAMPLING_LOGIT_BIAS)
+    if s.logprobs_mode is LogprobsMode.RAW:
+        needed.append(Capability.LOGPROBS_RAW)
+    elif s.truncates and not s.greedy:
+        needed.append(Capability.LOGPROBS_PROCESSED)
     return needed
 
 
@@ -274,7 +285,7 @@ class AsyncEngine:
                 yield delta
 
     async def _stream_admitted(self, request: GenerateRequest) -> AsyncIterator[CompletionDelta]:
-        iterator = self._op("rlinfer_generate_stream", request=request)
+        iterator = cast(AsyncIterator[CompletionDelta], self._op("rlinfer_generate_stream", request=request))
         deadline = time.monotonic() + self.config.request_timeout_s
         try:
             while True:
@@ -296,7 +307,7 @@ class AsyncEngine:
                     delta, token_versions=tuple(versions), weight_version=max(versions, default=self._version)
                 )
         finally:
-            await iterator.aclose()  # type: ignore[attr-defined]
+            await iterator.aclose()  # type: ignore[attr-defined]  # an async generator
 
     async def abort(self, request_ids: Sequence[str] | str | None = None) -> None:
         """Abort requests (``None``: all in flight); their callers get partial tokens, "abort"."""

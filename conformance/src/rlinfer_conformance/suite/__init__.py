@@ -3,7 +3,10 @@
 from rlinfer_conformance.suite import *  # noqa: F403
 """
 
+from rlinfer_conformance.suite.test_architectures import *  # noqa: F403
 from rlinfer_conformance.suite.test_control import *  # noqa: F403
+from rlinfer_conformance.suite.test_faults import *  # noqa: F403
+from rlinfer_conformance.suite.test_fidelity import *  # noqa: F403
 from rlinfer_conformance.suite.test_generate import *  # noqa: F403
 from rlinfer_conformance.suite.test_invalid import *  # noqa: F403
 from rlinfer_conformance.suite.test_lifecycle import *  # noqa: F403

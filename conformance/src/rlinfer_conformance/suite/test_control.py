@@ -31,10 +31,14 @@ def _long_requests(world: KitWorld, count: int = 3) -> list[GenerateRequest]:
 
 
 def _start(world: KitWorld, requests: list[GenerateRequest]) -> concurrent.futures.Future[list[Completion]]:
+    """Submit ``requests`` and return once the facade holds every one of them in flight."""
     future = world.submit(world.generate, requests)
-    # let them reach the engine; short, because a GPU decodes the ~500 tokens in well under 1 s
-    time.sleep(0.1)
-    assert not future.done(), "the long requests finished too quickly to test interruption"
+    ids = {r.request_id for r in requests}
+    deadline = time.monotonic() + OP_TIMEOUT_S
+    while not ids <= world.engine.in_flight and not future.done() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert not future.done(), "premise: the long requests finished too quickly to test interruption"
+    assert ids <= world.engine.in_flight, "premise: the requests are in flight"
     return future
 
 

@@ -54,6 +54,12 @@ PROBES: dict[Capability, Callable[[KitWorld], Any]] = {
     Capability.WEIGHTS_BROADCAST: _broadcast,
     Capability.MEMORY_RELEASE: lambda w: w.engine.release_memory([MemoryTag.WEIGHTS, MemoryTag.KV_CACHE]),
     Capability.PREFIX_CACHE_RESET: lambda w: w.engine.reset_prefix_cache(),
+    Capability.WEIGHTS_CHECKSUM: lambda w: w.engine.verify_weights(w.oracle.named_parameters(BASE)),
+    Capability.SAMPLING_MIN_P: _gen(temperature=1.0, min_p=0.1),
+    Capability.SAMPLING_PENALTIES: _gen(repetition_penalty=1.2),
+    Capability.SAMPLING_LOGIT_BIAS: _gen(logit_bias={3: 1.0}),
+    Capability.LOGPROBS_RAW: _gen(logprobs_mode="raw"),
+    Capability.LOGPROBS_PROCESSED: _gen(temperature=1.0, top_p=0.5),
 }
 
 

@@ -1,0 +1,89 @@
+"""Parity and weight updates on more than one architecture.
+
+The whole kit runs on the tiny Llama (untied head, no biases). Weight loaders break on other
+layouts - a tied output head, q/k/v biases, per-head q/k norms - so every other architecture of
+:data:`rlinfer_core.tiny_model.ARCHITECTURES` gets its own engine and the parity + update subset:
+base parity, then an update to the second model and back over every claimed transport, each
+checked against the oracle and (with ``weights.checksum``) by integrity readback.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rlinfer_core.tiny_model import ARCHITECTURES
+from rlinfer_core.types import Capability
+
+from rlinfer_conformance.report import KitReport
+from rlinfer_conformance.world import BASE, OTHER, EventRecorder, KitWorld, default_config, make_models
+
+__all__ = ["rlinfer_arch_world", "test_architecture_parity_and_updates"]
+
+#: the kit's main engine serves this one
+MAIN_ARCHITECTURE = "llama"
+EXTRA_ARCHITECTURES = tuple(a for a in ARCHITECTURES if a != MAIN_ARCHITECTURE)
+
+TRANSPORTS = (
+    Capability.WEIGHTS_TENSORS,
+    Capability.WEIGHTS_BUCKETS,
+    Capability.WEIGHTS_DISK,
+    Capability.WEIGHTS_BROADCAST,
+)
+
+
+@pytest.fixture(scope="module", params=EXTRA_ARCHITECTURES)
+def rlinfer_arch_world(
+    request: pytest.FixtureRequest,
+    rlinfer_backend: str,
+    rlinfer_config_overrides: dict[str, Any],
+    rlinfer_report: KitReport,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[KitWorld]:
+    """An engine on the tiny model of one more architecture, with its oracle."""
+    from rlinfer_core.engine import open_engine
+
+    from rlinfer_conformance.oracle import Oracle, tie_band
+    from rlinfer_conformance.world import LOGPROB_TOLERANCE
+
+    architecture = str(request.param)
+    tmp = Path(tmp_path_factory.mktemp(f"rlinfer-kit-{architecture}"))
+    base_dir, other_dir = make_models(tmp, architecture)
+    config = default_config(base_dir, rlinfer_config_overrides)
+    oracle = Oracle(weight_dtype=config.dtype, tie_tolerance=tie_band(LOGPROB_TOLERANCE))
+    oracle.add(BASE, base_dir)
+    oracle.add(OTHER, other_dir)
+    events = EventRecorder()
+    started = time.perf_counter()
+    engine = open_engine(rlinfer_backend, config, plugins=[events])
+    rlinfer_report.timings[f"engine_start_{architecture}"] = time.perf_counter() - started
+    world = KitWorld(engine, oracle, rlinfer_report, events, tmp, architecture=architecture)
+    try:
+        yield world
+    finally:
+        world.close()
+        engine.shutdown()
+
+
+@pytest.mark.hooks("rlinfer_generate", "rlinfer_update_weights")
+def test_architecture_parity_and_updates(rlinfer_arch_world: KitWorld) -> None:
+    world = rlinfer_arch_world
+    arch = world.architecture
+    info = world.engine.model_info
+    assert info is not None
+    tied = world.oracle.tied(BASE)
+    if tied and world.supports(Capability.WEIGHTS_CHECKSUM):
+        assert dict(info.tied_weights) == tied, f"model_info.tied_weights must name the tie: {info.tied_weights}"
+    world.generate_and_check(f"{arch}/start")
+    world.verify_served(BASE, f"{arch} at start")
+    transports = [t for t in TRANSPORTS if world.supports(t)]
+    assert transports, "no weight transport claimed"
+    for transport in transports:
+        name = transport.value.removeprefix("weights.")
+        version = world.update(transport, OTHER)
+        world.generate_and_check(f"{arch}/after_update_{name}_v{version}")
+        version = world.update(transport, BASE)
+        world.generate_and_check(f"{arch}/after_update_back_{name}_v{version}")

@@ -1,0 +1,258 @@
+"""The engine samples from exactly the policy the trainer holds: integrity readback, sampling
+processors, logprob modes and per-token weight versions."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+from rlinfer_core.types import (
+    Capability,
+    Completion,
+    CompletionDelta,
+    FinishReason,
+    GenerateRequest,
+    LogprobsMode,
+    MemoryTag,
+    PauseMode,
+    SamplingParams,
+)
+
+from rlinfer_conformance.checks import check_batch
+from rlinfer_conformance.world import BASE, LOGPROB_TOLERANCE, OP_TIMEOUT_S, OTHER, KitWorld
+
+__all__ = [
+    "test_verify_weights_detects_other_weights",
+    "test_verify_weights_after_release_resume",
+    "test_sampling_processors_match_oracle",
+    "test_allowed_token_ids_and_bias_steer_sampling",
+    "test_logprobs_modes_match_oracle",
+    "test_token_versions_across_pause_keep_update",
+    "test_token_versions_across_unpaused_update",
+]
+
+SEED = 1234
+
+
+def _sampled(world: KitWorld, n_prompts: int = 3, **sampling: Any) -> tuple[list[GenerateRequest], list[Completion]]:
+    params = SamplingParams(max_tokens=10, seed=SEED, **sampling)
+    requests = [
+        GenerateRequest(prompt_token_ids=p, sampling=params, request_id=world.request_id("proc"))
+        for p in world.prompts()[:n_prompts]
+    ]
+    completions = world.generate(requests)
+    check_batch(world, requests, completions)
+    return requests, completions
+
+
+def _check(world: KitWorld, name: str, requests: list[GenerateRequest], completions: list[Completion]) -> None:
+    world.check_parity(name, requests, completions)
+
+
+@pytest.mark.requires(Capability.WEIGHTS_CHECKSUM)
+@pytest.mark.hooks("rlinfer_weights_checksum")
+def test_verify_weights_detects_other_weights(rlinfer_base_weights: KitWorld) -> None:
+    world = rlinfer_base_weights
+    served = world.engine.weights_checksum()
+    expected = {name for name, _ in world.oracle.named_parameters(BASE)}
+    info = world.engine.model_info
+    assert info is not None
+    missing = expected - set(served)
+    assert not missing, f"checksums missing for {sorted(missing)}"
+    world.verify_served(BASE, "at the base weights")
+    wrong = world.engine.verify_weights(world.oracle.named_parameters(OTHER))
+    assert not wrong.ok and set(wrong.mismatched) >= expected, "other weights must not verify"
+    # one changed tensor is found, and only that one
+    tensors = world.oracle.named_parameters(BASE)
+    name, tensor = tensors[-1]
+    tensors[-1] = (name, tensor + 1e-3)
+    one = world.engine.verify_weights(tensors)
+    assert one.mismatched == (name,) or set(one.mismatched) == {name, *info.tied_weights}, one
+
+
+@pytest.mark.requires(Capability.WEIGHTS_CHECKSUM, Capability.MEMORY_RELEASE)
+def test_verify_weights_after_release_resume(rlinfer_base_weights: KitWorld) -> None:
+    world = rlinfer_base_weights
+    world.engine.release_memory([MemoryTag.WEIGHTS, MemoryTag.KV_CACHE])
+    world.engine.resume_memory([MemoryTag.WEIGHTS, MemoryTag.KV_CACHE])
+    world.verify_served(BASE, "after release/resume")
+
+
+@pytest.mark.parametrize(
+    "name,sampling",
+    [
+        pytest.param("min_p", {"min_p": 0.2}, marks=pytest.mark.requires(Capability.SAMPLING_MIN_P), id="min_p"),
+        pytest.param(
+            "repetition",
+            {"repetition_penalty": 1.6},
+            marks=pytest.mark.requires(Capability.SAMPLING_PENALTIES),
+            id="repetition",
+        ),
+        pytest.param(
+            "presence",
+            {"presence_penalty": 1.5},
+            marks=pytest.mark.requires(Capability.SAMPLING_PENALTIES),
+            id="presence",
+        ),
+        pytest.param(
+            "frequency",
+            {"frequency_penalty": 0.9},
+            marks=pytest.mark.requires(Capability.SAMPLING_PENALTIES),
+            id="frequency",
+        ),
+        pytest.param(
+            "logit_bias",
+            {"logit_bias": {5: 3.0, 17: -4.0, 40: 2.5}},
+            marks=pytest.mark.requires(Capability.SAMPLING_LOGIT_BIAS),
+            id="logit_bias",
+        ),
+        pytest.param(
+            "allowed",
+            {"allowed_token_ids": list(range(20, 60))},
+            marks=pytest.mark.requires(Capability.SAMPLING_LOGIT_BIAS),
+            id="allowed_token_ids",
+        ),
+    ],
+)
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+def test_sampling_processors_match_oracle(
+    rlinfer_base_weights: KitWorld, name: str, sampling: dict[str, Any], temperature: float
+) -> None:
+    world = rlinfer_base_weights
+    requests, completions = _sampled(world, temperature=temperature, ignore_eos=True, **sampling)
+    _check(world, f"sampling_{name}_t{temperature}", requests, completions)
+
+
+@pytest.mark.requires(Capability.SAMPLING_LOGIT_BIAS)
+def test_allowed_token_ids_and_bias_steer_sampling(rlinfer_base_weights: KitWorld) -> None:
+    world = rlinfer_base_weights
+    allowed = set(range(100, 110))
+    _, completions = _sampled(world, temperature=1.0, ignore_eos=True, allowed_token_ids=sorted(allowed))
+    assert all(set(c.token_ids) <= allowed for c in completions), "only allowed tokens may be sampled"
+    _, biased = _sampled(world, temperature=1.0, ignore_eos=True, logit_bias={77: 100.0})
+    assert all(set(c.token_ids) == {77} for c in biased), "a +100 bias makes the token certain"
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        pytest.param(
+            {"logprobs_mode": "raw", "temperature": 0.7}, marks=pytest.mark.requires(Capability.LOGPROBS_RAW), id="raw"
+        ),
+        pytest.param(
+            {"logprobs_mode": "raw", "temperature": 0.7, "top_p": 0.8},
+            marks=pytest.mark.requires(Capability.LOGPROBS_RAW),
+            id="raw-top_p",
+        ),
+        pytest.param(
+            {"logprobs_mode": "raw", "temperature": 0.0},
+            marks=pytest.mark.requires(Capability.LOGPROBS_RAW),
+            id="raw-greedy",
+        ),
+        pytest.param(
+            {"temperature": 0.9, "top_k": 5}, marks=pytest.mark.requires(Capability.LOGPROBS_PROCESSED), id="top_k"
+        ),
+        pytest.param(
+            {"temperature": 0.9, "top_p": 0.7}, marks=pytest.mark.requires(Capability.LOGPROBS_PROCESSED), id="top_p"
+        ),
+        pytest.param(
+            {"temperature": 1.2, "top_k": 8, "top_p": 0.9},
+            marks=pytest.mark.requires(Capability.LOGPROBS_PROCESSED),
+            id="top_k-top_p",
+        ),
+        pytest.param({"temperature": 0.6}, id="temperature"),
+    ],
+)
+def test_logprobs_modes_match_oracle(rlinfer_base_weights: KitWorld, sampling: dict[str, Any]) -> None:
+    world = rlinfer_base_weights
+    requests, completions = _sampled(world, ignore_eos=True, **sampling)
+    mode = LogprobsMode(sampling.get("logprobs_mode", "processed"))
+    _check(world, f"logprobs_{mode.value}_{sorted(sampling.items())}", requests, completions)
+
+
+def _stream_long(world: KitWorld, max_tokens: int) -> tuple[GenerateRequest, threading.Event, Any]:
+    request = GenerateRequest(
+        prompt_token_ids=world.prompts()[0],
+        sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+        request_id=world.request_id("versions"),
+    )
+    first = threading.Event()
+
+    def consume() -> list[CompletionDelta]:
+        deltas = []
+        for delta in world.engine.stream(request):
+            deltas.append(delta)
+            if delta.token_ids:
+                first.set()
+        return deltas
+
+    return request, first, world.submit(consume)
+
+
+def _joined(request: GenerateRequest, deltas: list[CompletionDelta]) -> Completion:
+    tokens = tuple(t for d in deltas for t in d.token_ids)
+    versions = tuple(v for d in deltas for v in (d.token_versions or ()))
+    assert len(versions) == len(tokens), "every streamed token carries its weight version"
+    assert request.prompt_token_ids is not None
+    return Completion(
+        request_id=request.request_id,
+        index=0,
+        prompt_token_ids=request.prompt_token_ids,
+        token_ids=tokens,
+        logprobs=tuple(x for d in deltas for x in d.logprobs),
+        finish_reason=deltas[-1].finish_reason or FinishReason.ABORT,
+        token_versions=versions,
+        weight_version=deltas[-1].weight_version,
+    )
+
+
+def _check_switch(world: KitWorld, request: GenerateRequest, completion: Completion, old: int, new: int) -> None:
+    versions = list(completion.token_versions or ())
+    assert versions[0] == old, f"the first tokens came from version {old}: {versions}"
+    assert versions[-1] == new, f"the last tokens came from version {new}: {versions}"
+    assert versions == sorted(versions), f"versions only grow: {versions}"
+    assert completion.weight_version == new
+    parity = world.oracle.check_versions({old: BASE, new: OTHER}, request, completion)
+    world.report.record_parity(
+        "token_versions_switch",
+        parity.max_abs_logprob_delta,
+        parity.tokens_checked,
+        len(parity.argmax_mismatches),
+        world.architecture,
+    )
+    assert not parity.argmax_mismatches, parity.argmax_mismatches[:5]
+    assert parity.max_abs_logprob_delta <= LOGPROB_TOLERANCE, parity
+
+
+@pytest.mark.requires(Capability.PAUSE_KEEP, Capability.STREAM, Capability.WEIGHTS_TENSORS)
+def test_token_versions_across_pause_keep_update(rlinfer_base_weights: KitWorld) -> None:
+    world = rlinfer_base_weights
+    engine = world.engine
+    request, first, future = _stream_long(world, max_tokens=world.max_model_len - 40)
+    assert first.wait(OP_TIMEOUT_S), "the request produced no token"
+    old = engine.weight_version
+    engine.pause(PauseMode.KEEP)
+    try:
+        assert request.request_id in engine.in_flight, "premise: the request is in flight across the update"
+        new = world.update(Capability.WEIGHTS_TENSORS, OTHER)
+    finally:
+        engine.resume()
+    completion = _joined(request, future.result(timeout=OP_TIMEOUT_S))
+    assert completion.finish_reason is FinishReason.LENGTH
+    _check_switch(world, request, completion, old, new)
+
+
+@pytest.mark.requires(Capability.STREAM, Capability.WEIGHTS_TENSORS)
+def test_token_versions_across_unpaused_update(rlinfer_base_weights: KitWorld) -> None:
+    world = rlinfer_base_weights
+    engine = world.engine
+    request, first, future = _stream_long(world, max_tokens=world.max_model_len - 40)
+    assert first.wait(OP_TIMEOUT_S), "the request produced no token"
+    old = engine.weight_version
+    new = world.update(Capability.WEIGHTS_TENSORS, OTHER)
+    in_flight = request.request_id in engine.in_flight
+    completion = _joined(request, future.result(timeout=OP_TIMEOUT_S))
+    if not in_flight and set(completion.token_versions or ()) == {old}:
+        pytest.skip("premise failed: the request finished before the update was loaded")
+    _check_switch(world, request, completion, old, new)
