@@ -57,6 +57,7 @@ class RLInferWorkerExtension:
     _rlinfer_shadow: dict[str, torch.Tensor] | None  # reload mode only
     _rlinfer_shadow_dir: str | None
     _rlinfer_group: Any
+    _rlinfer_tied: list[Any]  # modules whose kernel processing must follow a tied tensor
 
     # --- setup --------------------------------------------------------------------------------
 
@@ -76,6 +77,9 @@ class RLInferWorkerExtension:
                 self._rlinfer_shadow[name] = tensor.to(device="cpu", dtype=dtype).clone()
         self._rlinfer_shadow_dir = None
         self._rlinfer_group = None
+        from rlinfer_vllm.served import tied_modules
+
+        self._rlinfer_tied = tied_modules(self.model_runner.get_model())
         specs = self._rlinfer_specs.items()
         return [(name, str(dtype).removeprefix("torch."), list(shape)) for name, (dtype, shape) in specs]
 
@@ -167,6 +171,28 @@ class RLInferWorkerExtension:
     def rlinfer_shadow_from_dir(self, path: str) -> None:
         """Note that the engine now serves the checkpoint at ``path`` (loaded by vLLM itself)."""
         self._rlinfer_shadow_dir = path
+        self._rlinfer_after_reload()
+
+    def rlinfer_weights_checksum(self, tied: dict[str, str]) -> list[tuple[str, str, list[int], str]]:
+        """(HF name, dtype, shape, digest) of every checkpoint tensor as the kernels serve it, plus
+        the served names in ``tied`` (a tied output head) with the shape of the tensor they tie to.
+        See :mod:`rlinfer_vllm.served`."""
+        from rlinfer_core.checksum import tensor_checksum
+
+        from rlinfer_vllm.served import served_tensors
+
+        if self.vllm_config.parallel_config.tensor_parallel_size != 1:
+            raise NotImplementedError("weight checksums need tensor_parallel_size=1 (each rank holds a shard)")
+        names = {name: shape for name, (_, shape) in self._rlinfer_specs.items()}
+        for served_name, source in tied.items():
+            if served_name not in names and source in names:
+                names[served_name] = names[source]
+        tensors = served_tensors(self.model_runner.get_model(), names, self.vllm_config.model_config.dtype)
+        out = []
+        for name, tensor in tensors.items():
+            c = tensor_checksum(tensor)
+            out.append((name, c.dtype, list(c.shape), c.digest))
+        return out
 
     # --- loading ------------------------------------------------------------------------------
 
@@ -208,6 +234,7 @@ class RLInferWorkerExtension:
         except BaseException:
             self._rlinfer_restore(shadow)
             raise
+        self._rlinfer_after_reload()
         for name, tensor in given.items():
             shadow[name].copy_(tensor)
         if full:
@@ -245,6 +272,20 @@ class RLInferWorkerExtension:
         finalize_layerwise_reload(self.model_runner.get_model(), self.vllm_config.model_config)
         self._rlinfer_sync_shadow(shadow)
         self.reload_weights(weights_iterator=iter(list(shadow.items())))  # type: ignore[attr-defined]
+        self._rlinfer_after_reload()
+
+    def _rlinfer_after_reload(self) -> None:
+        """Redo the kernel processing of tied modules after vLLM's layer-wise reload.
+
+        The reload loads a tied tensor (``model.embed_tokens.weight``) through one module only; the
+        module tied to it (``lm_head``) loads nothing, so vLLM puts its old kernel tensors back and
+        never re-runs its ``process_weights_after_loading``. Its tensor is shared and holds the new
+        values, but on CPU the GEMM multiplies by a packed copy made at start: the served head kept
+        the old weights. Re-processing repacks it from the shared tensor.
+        """
+        from rlinfer_vllm.served import reprocess
+
+        reprocess(self._rlinfer_tied)
 
     def _rlinfer_sync_shadow(self, shadow: dict[str, torch.Tensor]) -> None:
         """After a raw vLLM reload from disk, refresh the shadow from that directory."""

@@ -1,0 +1,76 @@
+"""Per-token weight versions for the vLLM backend.
+
+The engine core sends each step's new tokens (``EngineCoreOutputs``) and the results of utility
+calls (pause, collective_rpc) over one socket, in the order it produced them; AsyncLLM's socket
+task puts the step outputs on ``engine_core.outputs_queue`` in that order, before it resolves the
+utility call that follows them. :class:`TokenVersions` counts every request's new tokens *at that
+point* and stamps them with the version then live.
+
+A weight update is loaded while vLLM's scheduler is paused (the caller's ``pause(keep)``, or a
+pause in "keep" mode that the backend takes around the load itself): vLLM answers the pause only
+once no step is in flight and every earlier step's outputs went out. So every token counted before
+the version switch was computed by the old weights, and every token after it by the new ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: (the caller's request id, sample index)
+Key = tuple[str, int]
+
+
+class TokenVersions:
+    """Version runs of every sample's tokens, fed from the engine client's output queue."""
+
+    def __init__(self, llm: Any) -> None:
+        self.version = 0  #: the version of the weights the engine computes with now
+        self._states = llm.output_processor.request_states
+        self._runs: dict[Key, list[list[int]]] = {}
+        self._taken: dict[Key, int] = {}
+        queue = llm.engine_core.outputs_queue
+        put = queue.put_nowait
+
+        def counting_put(item: Any) -> None:
+            if not isinstance(item, BaseException):
+                self._count(item)
+            put(item)
+
+        queue.put_nowait = counting_put
+
+    def _count(self, outputs: Any) -> None:
+        for out in getattr(outputs, "outputs", None) or ():
+            n = len(out.new_token_ids)
+            state = self._states.get(out.request_id) if n else None
+            if state is None:
+                continue
+            parent = getattr(state, "parent_req", None)
+            external = getattr(parent if parent is not None else state, "external_req_id", None) or out.request_id
+            runs = self._runs.setdefault((external, int(getattr(state, "request_index", 0))), [])
+            if runs and runs[-1][0] == self.version:
+                runs[-1][1] += n
+            else:
+                runs.append([self.version, n])
+
+    def take(self, request_id: str, index: int, count: int) -> tuple[int, ...]:
+        """Versions of the sample's next ``count`` tokens (a stream consumes them delta by delta).
+
+        Tokens the queue has not counted (none, unless vLLM changes how outputs travel) get the
+        live version.
+        """
+        key = (request_id, index)
+        start = self._taken.get(key, 0)
+        self._taken[key] = start + count
+        flat: list[int] = []
+        for version, n in self._runs.get(key, ()):
+            flat.extend([version] * n)
+            if len(flat) >= start + count:
+                break
+        got = flat[start : start + count]
+        return tuple(got) + (self.version,) * (count - len(got))
+
+    def forget(self, request_id: str, n: int) -> None:
+        """Drop what is kept for the request's ``n`` samples."""
+        for index in range(n):
+            self._runs.pop((request_id, index), None)
+            self._taken.pop((request_id, index), None)
