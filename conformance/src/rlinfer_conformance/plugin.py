@@ -66,6 +66,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="max |logprob - oracle| (default 1e-5, for float32 on CPU; GPU kernels need more, e.g. 1e-3)",
     )
     group.addoption(
+        "--rlinfer-replicas",
+        type=int,
+        default=1,
+        help="N > 1: run the kit against an rlinfer-ray EnginePool of N replicas (needs rlinfer-ray)",
+    )
+    group.addoption(
         "--rlinfer-profile",
         default=os.environ.get("RLINFER_HYPOTHESIS_PROFILE", "ci"),
         choices=PROFILES,
@@ -167,6 +173,7 @@ def rlinfer_world(
     rlinfer_config_overrides: dict[str, Any],
     rlinfer_report: KitReport,
     tmp_path_factory: pytest.TempPathFactory,
+    pytestconfig: pytest.Config,
 ) -> Iterator[Any]:
     """ONE engine for the whole session, on a tiny random model (seed 0), plus the HF oracle."""
     from rlinfer_core.engine import open_engine
@@ -183,7 +190,14 @@ def rlinfer_world(
     oracle.add(OTHER, make_tiny_model(tmp / "model-seed1", seed=1))
     events = EventRecorder()
     started = time.perf_counter()
-    engine = open_engine(rlinfer_backend, config, plugins=[events])
+    replicas = int(pytestconfig.getoption("--rlinfer-replicas"))
+    if replicas > 1:  # the same kit against an rlinfer-ray pool of engines
+        from rlinfer_ray.kit import open_kit_engine
+
+        rlinfer_report.notes.append(f"engine: rlinfer-ray EnginePool of {replicas} replicas")
+        engine = open_kit_engine(rlinfer_backend, config, replicas, plugins=[events])
+    else:
+        engine = open_engine(rlinfer_backend, config, plugins=[events])
     rlinfer_report.timings["engine_start"] = time.perf_counter() - started
     caps = engine.capabilities
     rlinfer_report.capabilities = caps.to_dict()

@@ -65,7 +65,9 @@ def main(args: argparse.Namespace | Any) -> int:
             backend,
             getattr(args, "report", None),
             getattr(args, "profile", "ci") or "ci",
-            file_args + list(getattr(args, "pytest_args", []) or []),
+            file_args
+            + (["--rlinfer-replicas", str(args.replicas)] if getattr(args, "replicas", None) else [])
+            + list(getattr(args, "pytest_args", []) or []),
         )
     )
     if getattr(args, "report", None):
@@ -79,6 +81,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--backend", help="backend name (or rollout.name in --config)")
     p.add_argument("--report", help="write the JSON report here")
     p.add_argument("--profile", default="ci", choices=["ci", "thorough"], help="hypothesis profile")
+    p.add_argument("--replicas", type=int, help="run the kit against an rlinfer-ray pool of N replicas")
     p.add_argument("--config", metavar="FILE", help="YAML/TOML with a rollout: section (engine settings for the kit)")
     p.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     p.set_defaults(func=main)

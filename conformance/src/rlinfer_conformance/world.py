@@ -296,7 +296,8 @@ class KitWorld:
         from rlinfer_core.transfer.broadcast import WeightBroadcaster, free_port
         from rlinfer_core.weights import BroadcastGroup
 
-        group = BroadcastGroup("127.0.0.1", free_port(), world_size=2, backend="gloo", timeout_s=60.0)
+        ranks = 1 + self.engine.broadcast_ranks  # trainer + every engine rank (TP workers, pool replicas)
+        group = BroadcastGroup("127.0.0.1", free_port(), world_size=ranks, backend="gloo", timeout_s=60.0)
         joined = self.submit(self.engine.init_weight_broadcast, group)
         sender = WeightBroadcaster(group)
         try:
