@@ -1,0 +1,106 @@
+"""``rlinfer serve``: registered on the ``rlinfer`` command through ``rlinfer.commands``.
+
+This module stays light (no FastAPI, uvicorn or engine import) so that ``rlinfer backends`` and
+``rlinfer --help`` stay fast; :func:`run` imports them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from rlinfer_server.settings import API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, GENERATE_API_KEY_ENV, ServerSettings
+
+
+def register(subparsers: Any) -> None:
+    """Add ``serve`` to the ``rlinfer`` command."""
+    from rlinfer_core.cli import add_config_arguments
+
+    p = subparsers.add_parser(
+        "serve", help="serve a backend over HTTP: OpenAI-compatible generation plus guarded control endpoints"
+    )
+    p.add_argument("--backend", help="backend name (or rollout.name in --config)")
+    p.add_argument("--model", help="model directory (or rollout.model in --config)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="engine dtype")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; others need --api-key)")
+    p.add_argument("--port", type=int, default=8000, help="port (0: a free one; see --ready-file)")
+    p.add_argument("--api-key", help=f"bearer token of the control endpoints (default: ${API_KEY_ENV})")
+    p.add_argument(
+        "--generate-api-key",
+        help=f"bearer token of generation, /v1/models and /metrics (default: ${GENERATE_API_KEY_ENV}; unset: open)",
+    )
+    p.add_argument("--served-model-name", help="the model name clients send (default: --model as given)")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="largest request body")
+    p.add_argument("--ready-file", help="write {host, port, pid} as JSON here once the engine serves")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="engine-specific argument passed through EngineConfig.engine_kwargs (repeatable)",
+    )
+    add_config_arguments(p)
+    p.set_defaults(func=run)
+
+
+def settings_from_args(args: argparse.Namespace, model: str) -> ServerSettings:
+    """Server settings from the command line and the environment, checked."""
+    settings = ServerSettings(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        generate_api_key=args.generate_api_key or os.environ.get(GENERATE_API_KEY_ENV) or None,
+        max_body_bytes=args.max_body_bytes,
+        served_model_name=args.served_model_name or model,
+    )
+    settings.check()
+    return settings
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check everything, bind, open the engine in the server's loop, serve until SIGINT/SIGTERM."""
+    from rlinfer_core.cli import backend_name, config_layers
+    from rlinfer_core.config_file import engine_config
+    from rlinfer_core.types import parse_assignments
+
+    engine_args = parse_assignments(args.engine_arg or [], "--engine-arg")
+    flags = {"model": args.model, "dtype": args.dtype, "engine_kwargs": engine_args or None}
+    file_settings, overrides = config_layers(args, flags)
+    backend = backend_name(args, file_settings)
+    config = engine_config(file_settings, overrides)
+    settings = settings_from_args(args, config.model)
+    sock = settings.bind()  # before the engine starts: a taken port fails in a second, not minutes
+    host, port = sock.getsockname()[:2]
+
+    import uvicorn
+    from rlinfer_core.discovery import get_backend
+    from rlinfer_core.engine import AsyncEngine
+
+    from rlinfer_server.app import ServedEngine, create_app
+
+    get_backend(backend).engine_version()  # fail fast on a missing engine
+
+    async def open_engine() -> ServedEngine:
+        return await AsyncEngine.open(backend, config)
+
+    def ready(_engine: ServedEngine) -> None:
+        print(f"rlinfer serve: {backend} serving {settings.served_model_name!r} on http://{host}:{port}", flush=True)
+        if args.ready_file:
+            path = Path(args.ready_file)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"host": host, "port": port, "pid": os.getpid()}))
+            tmp.replace(path)
+
+    if settings.api_key is None:
+        print("rlinfer serve: no --api-key: the control endpoints are disabled", file=sys.stderr)
+    app = create_app(open_engine, settings, on_ready=ready)
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=30, access_log=False)
+    )
+    server.run(sockets=[sock])
+    return 0 if server.started else 1

@@ -1,0 +1,173 @@
+"""OpenAI-compatible routes: ``/v1/completions``, ``/v1/chat/completions`` (SSE streaming too),
+``/v1/models``, plus ``/health`` and ``/metrics``."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from rlinfer_core.errors import RLInferError
+from rlinfer_core.types import CompletionDelta, GenerateRequest
+
+from rlinfer_server import convert
+from rlinfer_server.app import ServerState
+from rlinfer_server.errors import HTTPError, error_body, status_of
+from rlinfer_server.schemas import ChatRequest, CompletionRequest
+
+router = APIRouter()
+
+
+def _state(request: Request) -> ServerState:
+    state: ServerState = request.app.state.rlinfer
+    return state
+
+
+def _check_model(state: ServerState, model: str) -> None:
+    if model != state.settings.served_model_name:
+        raise HTTPError(
+            404,
+            f"model {model!r} is not served here; this server serves {state.settings.served_model_name!r}",
+            "model",
+            "model_not_found",
+        )
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    """200 while the engine serves, 503 otherwise."""
+    state = _state(request)
+    try:
+        await state.engine.check_health()
+    except RLInferError as exc:
+        return JSONResponse(error_body(str(exc), "engine_dead"), status_code=503)
+    return JSONResponse({"status": "ok", "weight_version": state.engine.weight_version})
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    """Prometheus text format."""
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    state = _state(request)
+    state.metrics.weight_version.set(state.engine.weight_version)
+    state.metrics.in_flight.set(len(state.engine.in_flight))
+    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    """The one served model."""
+    state = _state(request)
+    engine = state.engine
+    info = engine.model_info
+    card = {
+        "id": state.settings.served_model_name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "rlinfer",
+        "root": engine.config.model,
+        "max_model_len": getattr(info, "max_model_len", None),
+        "weight_version": engine.weight_version,
+    }
+    return {"object": "list", "data": [card]}
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    """OpenAI completions over token ids or text prompts."""
+    state = _state(request)
+    _check_model(state, body.model)
+    requests = convert.completion_requests(body, state.tokens)
+    if body.stream:
+        detok = convert.Detokenizer(state.tokens)
+
+        def chunk(delta: CompletionDelta) -> dict[str, Any]:
+            offset = detok.offset(delta.index)
+            text = detok.push(delta.index, delta.token_ids, delta.finish_reason is not None)
+            return convert.completion_chunk(body, delta, text, offset, state.tokens)
+
+        return await _stream(state, "/v1/completions", requests[0], chunk, body.stream_options)
+    started = time.perf_counter()
+    done = await state.engine.generate(requests)
+    _count(state, "/v1/completions", done, started)
+    return JSONResponse(convert.completion_response(body, requests, done, state.tokens))
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatRequest, request: Request) -> Response:
+    """OpenAI chat completions (the engine applies the model's chat template)."""
+    state = _state(request)
+    _check_model(state, body.model)
+    gen = convert.chat_request(body)
+    if body.stream:
+        detok = convert.Detokenizer(state.tokens)
+        seen: set[int] = set()
+
+        def chunk(delta: CompletionDelta) -> dict[str, Any]:
+            first = delta.index not in seen
+            seen.add(delta.index)
+            text = detok.push(delta.index, delta.token_ids, delta.finish_reason is not None)
+            return convert.chat_chunk(body, delta, text, first, state.tokens)
+
+        return await _stream(state, "/v1/chat/completions", gen, chunk, body.stream_options)
+    started = time.perf_counter()
+    done = await state.engine.generate([gen])
+    _count(state, "/v1/chat/completions", done, started)
+    return JSONResponse(convert.chat_response(body, done, state.tokens))
+
+
+def _count(state: ServerState, endpoint: str, done: list[Any], started: float) -> None:
+    usage = convert.usage(done)
+    state.metrics.tokens(usage["prompt_tokens"], usage["completion_tokens"])
+    state.metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
+
+
+def _sse(data: Any) -> bytes:
+    return f"data: {json.dumps(data)}\n\n".encode()
+
+
+async def _stream(
+    state: ServerState,
+    endpoint: str,
+    gen: GenerateRequest,
+    chunk: Callable[[CompletionDelta], dict[str, Any]],
+    options: Any,
+) -> Response:
+    """Start the stream before answering, so that errors before the first token are HTTP errors."""
+    started = time.perf_counter()
+    deltas = state.engine.stream(gen)
+    try:
+        first = await anext(deltas)
+    except StopAsyncIteration:
+        first = None
+    except BaseException:
+        await deltas.aclose()  # type: ignore[attr-defined]
+        raise
+    include_usage = bool(options and options.include_usage)
+
+    async def body() -> AsyncIterator[bytes]:
+        generated = 0
+        try:
+            delta = first
+            while delta is not None:
+                generated += len(delta.token_ids)
+                yield _sse(chunk(delta))
+                delta = await anext(deltas, None)
+            if include_usage:
+                prompt = len(gen.prompt_token_ids or ())
+                usage = {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
+                yield _sse({"id": gen.request_id, "object": "usage", "choices": [], "usage": usage})
+        except RLInferError as exc:  # after the 200 header: report in the stream, then end it
+            status, kind, param = status_of(exc)
+            yield _sse(error_body(str(exc), kind, param, str(status)))
+        finally:
+            await deltas.aclose()  # type: ignore[attr-defined]
+            state.metrics.tokens(len(gen.prompt_token_ids or ()), generated)
+            state.metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
