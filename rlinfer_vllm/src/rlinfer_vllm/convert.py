@@ -3,8 +3,9 @@
 Requests ask vLLM for *flat* logprobs (``FlatLogprobs``: a few flat lists per sequence instead of
 one dict per token), in which each position's first entry is the sampled token and the rest are
 its top-k alternatives. vLLM runs with ``logprobs_mode="processed_logprobs"``, so those values
-are under the sampling distribution (temperature, top-k/top-p applied); greedy gives plain
-log_softmax. Prompt logprobs are always plain log_softmax.
+are under the sampling distribution: allowed-token mask and logit bias, penalties, temperature,
+min_p, top-k/top-p, renormalised over what survives; greedy requests report the processed
+logits at temperature 1, untruncated. Prompt logprobs are always plain log_softmax.
 """
 
 from __future__ import annotations
@@ -12,7 +13,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from rlinfer_core.types import Completion, CompletionDelta, FinishReason, GenerateRequest
+from rlinfer_core.errors import UnsupportedCapability
+from rlinfer_core.types import (
+    Capability,
+    Completion,
+    CompletionDelta,
+    FinishReason,
+    GenerateRequest,
+    LogprobsMode,
+)
 
 if TYPE_CHECKING:
     from vllm.outputs import CompletionOutput, RequestOutput
@@ -32,6 +41,10 @@ def sampling_params(
     from vllm import SamplingParams
 
     s = request.sampling
+    if s.logprobs_mode is not LogprobsMode.PROCESSED:
+        raise UnsupportedCapability(
+            Capability.LOGPROBS_RAW.value, "vllm", "vLLM's logprobs_mode is one per engine; rlinfer runs it processed"
+        )
     room = max(max_model_len - prompt_len, 1)
     return SamplingParams(
         n=engine_n(request),
@@ -48,6 +61,12 @@ def sampling_params(
         prompt_logprobs=0 if s.prompt_logprobs else None,
         flat_logprobs=True,
         output_kind=kind,
+        min_p=s.min_p,
+        repetition_penalty=s.repetition_penalty,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        logit_bias={token: float(bias) for token, bias in s.logit_bias} or None,
+        allowed_token_ids=list(s.allowed_token_ids) if s.allowed_token_ids is not None else None,
     )
 
 

@@ -37,7 +37,7 @@ def tied_modules(model: Any) -> list[Any]:
         weight = module._parameters.get("weight") if hasattr(module, "_parameters") else None
         if weight is not None:
             owners.setdefault(id(weight), []).append(module)
-    out = []
+    out: list[Any] = []
     for group in owners.values():
         if len(group) > 1:
             out.extend(m for m in group if type(getattr(m, "quant_method", None)).__name__.startswith("Unquantized"))
@@ -82,7 +82,8 @@ def _served_weight(module: Any, dtype: torch.dtype) -> torch.Tensor:
         else:  # ParallelLMHead
             rows, cols = int(module.num_embeddings_per_partition), int(module.embedding_dim)
         return _probe(module, rows, cols, dtype)
-    return module.weight.detach()
+    weight: torch.Tensor = module.weight.detach()
+    return weight
 
 
 def _fused_parts(model: Any) -> dict[str, tuple[str, int]]:

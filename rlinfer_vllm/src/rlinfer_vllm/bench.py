@@ -1,0 +1,69 @@
+"""The vLLM backend's bench hooks: the raw engine on the same engine instance (a mixin)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rlinfer_core.hookspecs import hookimpl
+from rlinfer_core.types import GenerateRequest
+
+if TYPE_CHECKING:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+
+class BenchHooks:
+    """``rlinfer_bench_*`` hooks of :class:`rlinfer_vllm.backend.VllmBackend`."""
+
+    def _alive(self) -> AsyncLLM:
+        raise NotImplementedError
+
+    async def _rpc(self, method: str, *args: Any) -> Any:
+        raise NotImplementedError
+
+    @hookimpl
+    async def rlinfer_bench_raw_generate(self, requests: Sequence[GenerateRequest]) -> int:
+        """The same batch through AsyncLLM.generate with hand-built vLLM params; tokens out."""
+        from vllm import SamplingParams
+        from vllm.inputs.engine import tokens_input
+        from vllm.sampling_params import RequestOutputKind
+
+        llm = self._alive()
+
+        async def one(request: GenerateRequest, index: int) -> int:
+            s = request.sampling
+            params = SamplingParams(
+                n=1 if s.greedy else s.n,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                top_k=max(s.top_k, 0),
+                seed=s.seed,
+                max_tokens=s.max_tokens,
+                min_tokens=s.min_tokens,
+                stop_token_ids=list(s.stop_token_ids) or None,
+                stop=list(s.stop) or None,
+                ignore_eos=s.ignore_eos,
+                logprobs=s.logprobs,
+                flat_logprobs=True,
+                output_kind=RequestOutputKind.FINAL_ONLY,
+            )
+            last = None
+            async for out in llm.generate(
+                tokens_input(list(request.prompt_token_ids or ())), params, f"{request.request_id}-raw{index}"
+            ):
+                last = out
+            copies = s.n if s.greedy else 1  # vLLM refuses greedy n>1: the n samples are one
+            return 0 if last is None else copies * sum(len(o.token_ids) for o in last.outputs)
+
+        counts = await asyncio.gather(*(one(r, i) for i, r in enumerate(requests)))
+        return sum(counts)
+
+    @hookimpl
+    async def rlinfer_bench_raw_weight_update(self, path: str) -> None:
+        """vLLM's own reload from disk (``reload_weights(weights_path=...)``), no validation."""
+        llm = self._alive()
+        resolved = str(Path(path).resolve())
+        await llm.collective_rpc("reload_weights", kwargs={"weights_path": resolved})
+        await self._rpc("rlinfer_shadow_from_dir", resolved)
