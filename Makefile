@@ -8,7 +8,7 @@ VENVS := .venvs
 DEMO_BACKEND ?= vllm
 DEMO_OUT ?= out/demo
 
-.PHONY: env-core env-vllm env-sglang envs demo test lint typecheck test-core test-vllm test-sglang clean-envs
+.PHONY: env-core env-vllm env-sglang envs demo test lint typecheck test-core test-vllm test-sglang test-ray clean-envs
 
 env-core: $(VENVS)/core/.built
 env-vllm: $(VENVS)/vllm/.built
@@ -42,7 +42,14 @@ test-vllm: env-vllm
 test-sglang: env-sglang
 	$(VENVS)/sglang/bin/python -m pytest tests/backends/test_sglang_conformance.py tests/backends/sglang -q --rlinfer-backend sglang --rlinfer-report out/conformance-sglang.json
 
-test: lint typecheck test-core test-vllm test-sglang
+# rlinfer-ray: pool tests (two vLLM replicas on a local Ray cluster), then the kit against a pool
+# of two replicas for each backend (rlinfer conformance --backend X --replicas 2)
+test-ray: env-vllm env-sglang
+	$(VENVS)/vllm/bin/python -m pytest tests/ray -q
+	$(VENVS)/vllm/bin/python -m pytest tests/backends/test_vllm_conformance.py -q --rlinfer-backend vllm --rlinfer-replicas 2 --rlinfer-report out/conformance-vllm-pool.json
+	$(VENVS)/sglang/bin/python -m pytest tests/backends/test_sglang_conformance.py -q --rlinfer-backend sglang --rlinfer-replicas 2 --rlinfer-report out/conformance-sglang-pool.json
+
+test: lint typecheck test-core test-vllm test-sglang test-ray
 
 clean-envs:
 	rm -rf $(VENVS)

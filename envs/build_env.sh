@@ -26,8 +26,8 @@ if [[ -f "$root/envs/post_$name.sh" ]]; then
 fi
 editables=(-e "$root/rlinfer_core[demo]" -e "$root/conformance")
 case "$name" in
-  vllm) editables+=(-e "$root/rlinfer_vllm") ;;
-  sglang) editables+=(-e "$root/rlinfer_sglang") ;;
+  vllm) editables+=(-e "$root/rlinfer_vllm" -e "$root/rlinfer_ray") ;;
+  sglang) editables+=(-e "$root/rlinfer_sglang" -e "$root/rlinfer_ray") ;;
 esac
 "${pip[@]}" --no-deps "${editables[@]}"
 # Dependencies of the rlinfer packages themselves (light, pure Python), under the same pins.

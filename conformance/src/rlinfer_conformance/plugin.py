@@ -195,7 +195,7 @@ def rlinfer_world(
         from rlinfer_ray.kit import open_kit_engine
 
         rlinfer_report.notes.append(f"engine: rlinfer-ray EnginePool of {replicas} replicas")
-        engine = open_kit_engine(rlinfer_backend, config, replicas, plugins=[events])
+        engine: Any = open_kit_engine(rlinfer_backend, config, replicas, plugins=[events])
     else:
         engine = open_engine(rlinfer_backend, config, plugins=[events])
     rlinfer_report.timings["engine_start"] = time.perf_counter() - started

@@ -22,7 +22,7 @@ def _policy(value: object) -> RouterPolicy:
     from rlinfer_core.errors import InvalidRequest
 
     try:
-        return RouterPolicy(value)
+        return RouterPolicy(str(value))
     except ValueError:
         raise InvalidRequest("policy", f"must be one of {[p.value for p in RouterPolicy]}, got {value!r}") from None
 

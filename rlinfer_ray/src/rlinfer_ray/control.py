@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
-from rlinfer_core.engine import TRANSPORT_CAPABILITY, transport_name
+from rlinfer_core.engine import TRANSPORT_CAPABILITY  # type: ignore[attr-defined]  # not in engine.__all__
 from rlinfer_core.errors import EngineDead, InvalidRequest, RLInferError, WeightUpdateError
 from rlinfer_core.types import Capability, MemoryTag, PauseMode
 from rlinfer_core.weights import (
@@ -37,14 +37,14 @@ from rlinfer_core.weights import (
     WeightUpdate,
 )
 
+from rlinfer_core import engine as core_engine
 from rlinfer_ray.replica import is_replica_death
 from rlinfer_ray.replicas import Replica, State, death_message
 
 if TYPE_CHECKING:
     from rlinfer_core.checksum import WeightChecksum, WeightVerification
-    from rlinfer_core.engine import EngineConfig
     from rlinfer_core.observers import Observers
-    from rlinfer_core.types import Capabilities
+    from rlinfer_core.types import Capabilities, EngineConfig
     from rlinfer_core.weights import TensorSpec
 
     from rlinfer_ray.config import PoolConfig
@@ -189,7 +189,7 @@ class ControlPlane:
             update = NamedTensors.of(dict(update))
         if not isinstance(update, WeightUpdate):
             update = WeightUpdate(update, version=version)
-        transport = transport_name(update.source)
+        transport = core_engine.transport_name(update.source)
         started = time.perf_counter()
         try:
             async with self._weight_lock:

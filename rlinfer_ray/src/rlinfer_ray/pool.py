@@ -19,7 +19,7 @@ from typing import Any
 
 import attrs
 from rlinfer_core.admission import Admission
-from rlinfer_core.engine import as_memory_tags, request_capabilities
+from rlinfer_core.engine import as_memory_tags  # type: ignore[attr-defined]  # not in engine.__all__
 from rlinfer_core.errors import EngineDead, EngineTimeout, InvalidRequest
 from rlinfer_core.model_info import ModelInfo
 from rlinfer_core.observers import Observers
@@ -36,6 +36,7 @@ from rlinfer_core.types import (
 )
 from rlinfer_core.weights import TensorSpec
 
+from rlinfer_core import engine as core_engine
 from rlinfer_ray.config import PoolConfig
 from rlinfer_ray.control import ControlPlane
 from rlinfer_ray.replica import is_replica_death
@@ -67,7 +68,8 @@ class EnginePool(ControlPlane):
         self.config = config
         self.pool_config = pool
         self._observers = observers
-        self._router = Router(pool.policy, pool.session_load_factor)
+        #: the data plane's policy; may be replaced (e.g. ``Router(RouterPolicy.SESSION)``)
+        self.router = Router(pool.policy, pool.session_load_factor)
         self._admission = Admission()
         self._routes: dict[str, set[tuple[int, str]]] = {}
         self._closed = False
@@ -236,7 +238,7 @@ class EnginePool(ControlPlane):
         self._ensure_open()
         if not isinstance(request, GenerateRequest):
             raise InvalidRequest("requests", f"must be GenerateRequest objects, got {type(request).__name__}")
-        for capability in request_capabilities(request):
+        for capability in core_engine.request_capabilities(request):
             self._caps().require(capability)
         if MemoryTag.KV_CACHE in self._released or MemoryTag.WEIGHTS in self._released:
             raise InvalidRequest(
@@ -253,9 +255,9 @@ class EnginePool(ControlPlane):
         for position, (request, key) in enumerate(zip(batch, sessions, strict=True)):
             n = request.sampling.n
             spread = self.pool_config.spread_n and n > 1 and request.sampling.seed is None and len(candidates) > 1
-            shares = self._router.spread(candidates, loads, n, key) if spread else {}
+            shares = self.router.spread(candidates, loads, n, key) if spread else {}
             if len(shares) <= 1:
-                index = next(iter(shares)) if shares else self._router.pick(candidates, loads, n, key)
+                index = next(iter(shares)) if shares else self.router.pick(candidates, loads, n, key)
                 pieces = [(index, _Piece(position, request.request_id, 0, request))]
             else:
                 pieces, offset = [], 0
@@ -294,7 +296,7 @@ class EnginePool(ControlPlane):
             if not others:
                 raise EngineDead(f"{death_message(replica, exc)}; no other replica is serving") from exc
             loads = {r.index: r.load for r in self.replicas.replicas}
-            return await self._run(self._router.pick(others, loads, cost), pieces, attempt + 1)
+            return await self._run(self.router.pick(others, loads, cost), pieces, attempt + 1)
         finally:
             replica.load -= cost
             for rid, route in routes:
@@ -303,6 +305,7 @@ class EnginePool(ControlPlane):
                     left.discard(route)
                     if not left:
                         del self._routes[rid]
+        replica.served += len(pieces)
         by_sub = {p.sub.request_id: p for p in pieces}
         out = []
         for c in completions:
@@ -322,7 +325,7 @@ class EnginePool(ControlPlane):
                 if not candidates:
                     raise EngineDead(f"no replica of the pool is serving: {self.replica_states()}")
                 loads = {r.index: r.load for r in self.replicas.replicas}
-                replica = self.replicas.replicas[self._router.pick(candidates, loads, request.sampling.n, session)]
+                replica = self.replicas.replicas[self.router.pick(candidates, loads, request.sampling.n, session)]
                 yielded = False
                 try:
                     async for delta in self._stream_on(replica, request):
@@ -353,6 +356,7 @@ class EnginePool(ControlPlane):
                     ref = await asyncio.wait_for(anext(refs), timeout=max(deadline - time.monotonic(), 0.001))
                     status, value = await asyncio.wait_for(ref, timeout=max(deadline - time.monotonic(), 0.001))
                 except StopAsyncIteration:
+                    replica.served += 1
                     return
                 except TimeoutError:
                     raise EngineTimeout(
@@ -472,7 +476,7 @@ class EnginePool(ControlPlane):
         """The engine's native generate on the least loaded replica (no rlinfer conversion)."""
         self._ensure_open()
         candidates = [r.index for r in self.replicas.serving()]
-        index = self._router.pick(candidates, {r.index: r.load for r in self.replicas.replicas})
+        index = self.router.pick(candidates, {r.index: r.load for r in self.replicas.replicas})
         replica = self.replicas.replicas[index]
         result: int = await self.replicas.call(
             replica, "bench_raw_generate", list(requests), timeout=self.config.request_timeout_s

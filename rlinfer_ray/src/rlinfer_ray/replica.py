@@ -74,6 +74,8 @@ class ReplicaActor:
                     "model_info": self.engine.model_info,
                     "weight_specs": dict(self.engine.weight_specs),
                     "pid": os.getpid(),
+                    "node_id": _node_id(),
+                    "procs": self._engine_procs(),
                 },
             )
         except Exception as exc:
@@ -103,3 +105,45 @@ class ReplicaActor:
     def pid(self) -> int:
         """The actor's process id."""
         return os.getpid()
+
+    def _engine_procs(self) -> list[tuple[int, float]]:
+        """(pid, start time) of the engine's processes, for :func:`reap` after the actor died."""
+        import psutil  # type: ignore[import-untyped]
+
+        try:
+            pids = list(self.engine.engine_processes().values())
+        except errors.RLInferError:  # the backend does not report them
+            return []
+        out = []
+        for pid in pids:
+            try:
+                out.append((pid, psutil.Process(pid).create_time()))
+            except psutil.Error:
+                continue
+        return out
+
+
+def _node_id() -> str | None:
+    try:
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id())
+    except Exception:
+        return None
+
+
+def reap(procs: list[tuple[int, float]]) -> int:
+    """Kill the engine processes of a replica whose actor died (they would otherwise linger);
+    a process is only killed when its start time matches, so a reused pid is left alone."""
+    import psutil
+
+    killed = 0
+    for pid, started in procs:
+        try:
+            proc = psutil.Process(pid)
+            if abs(proc.create_time() - started) < 1e-3:
+                proc.kill()
+                killed += 1
+        except psutil.Error:
+            continue
+    return killed

@@ -20,7 +20,7 @@ import attrs
 from rlinfer_core.errors import EngineDead, EngineTimeout
 from rlinfer_core.types import EngineConfig
 
-from rlinfer_ray.replica import ReplicaActor, unpack_error
+from rlinfer_ray.replica import ReplicaActor, reap, unpack_error
 
 logger = logging.getLogger(__name__)
 
@@ -46,11 +46,14 @@ class Replica:
     actor: Any = None
     state: State = State.STARTING
     load: int = 0  #: samples in flight
+    served: int = 0  #: requests (or request pieces) it completed
     version: int = 0  #: weight version it serves
     restarts: int = 0
     error: str | None = None  #: why it last failed
     pid: int | None = None  #: the actor's process
     generation: int = 0  #: bumped on every new actor (broadcast groups are tied to one)
+    node_id: str | None = None  #: the Ray node it runs on
+    procs: list[tuple[int, float]] = attrs.field(factory=list)  #: engine processes (pid, start time)
 
 
 class ReplicaSet:
@@ -87,6 +90,8 @@ class ReplicaSet:
             replica, replica.actor.start.remote(self.backend, self.config), self.config.startup_timeout_s, "start"
         )
         replica.pid = info["pid"]
+        replica.node_id = info.get("node_id")
+        replica.procs = list(info.get("procs", []))
         replica.version = 0
         return info
 
@@ -127,6 +132,14 @@ class ReplicaSet:
             await asyncio.wait_for(actor.call.remote("shutdown"), timeout=SHUTDOWN_TIMEOUT_S)
         with contextlib.suppress(Exception):
             ray.kill(actor, no_restart=True)
+        procs, replica.procs = replica.procs, []
+        if procs:  # an actor killed hard leaves its engine's processes behind: reap them on its node
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            strategy = NodeAffinitySchedulingStrategy(replica.node_id, soft=False) if replica.node_id else "DEFAULT"
+            task = ray.remote(num_cpus=0)(reap).options(scheduling_strategy=strategy).remote(procs)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(task, timeout=SHUTDOWN_TIMEOUT_S)
 
     def serving(self, exclude: int | None = None) -> list[Replica]:
         """Replicas in routing."""
