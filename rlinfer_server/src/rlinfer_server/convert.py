@@ -3,7 +3,8 @@
 Extensions on every choice (ignored by OpenAI clients, in ``choice.model_extra`` of the ``openai``
 package): ``token_ids``, ``prompt_token_ids``, ``token_logprobs`` (the sampled tokens' logprobs,
 always returned) and ``token_versions`` (the weight version that produced each token); the
-response has ``weight_version`` (the newest of them).
+response has ``weight_version`` (the newest of them). ``text`` is always the tokenizer's decode of
+``token_ids`` (special tokens skipped), so streamed text concatenates to the batch text.
 """
 
 from __future__ import annotations
@@ -190,7 +191,7 @@ def completion_response(
     order = {r.request_id: i for i, r in enumerate(requests)}
     choices = []
     for c in completions:
-        text = c.text if c.text is not None else tokens.decode(c.token_ids)
+        text = tokens.decode(c.token_ids)
         choice: dict[str, Any] = {
             "index": order[c.request_id] * body.n + c.index,
             "text": text,
@@ -217,7 +218,7 @@ def chat_response(body: ChatRequest, completions: Sequence[Completion], tokens: 
     """The ``chat.completion`` object."""
     choices = []
     for c in sorted(completions, key=lambda c: c.index):
-        text = c.text if c.text is not None else tokens.decode(c.token_ids)
+        text = tokens.decode(c.token_ids)
         choices.append(
             {
                 "index": c.index,
