@@ -10,20 +10,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import pickle
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
-from rlinfer_core.checksum import WeightChecksum
 from rlinfer_core.errors import (
     BackendLoadError,
     EngineDead,
     InvalidRequest,
     RLInferError,
-    WeightUpdateError,
 )
 from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.model_info import ModelInfo
@@ -38,14 +34,7 @@ from rlinfer_core.types import (
     PauseMode,
 )
 from rlinfer_core.weights import (
-    BroadcastGroup,
-    BroadcastSource,
-    Bucket,
-    Buckets,
-    CheckpointDir,
-    NamedTensors,
     TensorSpec,
-    WeightUpdate,
 )
 
 from rlinfer_core import processes
@@ -53,7 +42,9 @@ from rlinfer_vllm import convert
 from rlinfer_vllm.bench import BenchHooks
 from rlinfer_vllm.capabilities import capabilities, installed_engine, installed_platform
 from rlinfer_vllm.config import engine_args, resolve_platform
+from rlinfer_vllm.memory import MemoryHooks
 from rlinfer_vllm.versions import TokenVersions
+from rlinfer_vllm.weights import WeightHooks
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -70,7 +61,7 @@ def create(config: EngineConfig) -> VllmBackend:
     return VllmBackend(config)
 
 
-class VllmBackend(BenchHooks):
+class VllmBackend(WeightHooks, MemoryHooks, BenchHooks):
     """Implements rlinfer's operation hooks for one vLLM engine."""
 
     def __init__(self, config: EngineConfig) -> None:
@@ -401,36 +392,7 @@ class VllmBackend(BenchHooks):
             await llm.resume_generation()
             self._user_pause = None
 
-    @contextlib.asynccontextmanager
-    async def _paused_for_load(self) -> AsyncIterator[AsyncLLM]:
-        """Hold the scheduler paused (the caller's pause, or one in "keep" mode taken here) while
-        weights load, so that no engine step overlaps the load: the boundary between old- and
-        new-version tokens is exact (see :mod:`rlinfer_vllm.versions`). KV caches are kept."""
-        llm = self._alive()
-        async with self._pause_lock:
-            if self._user_pause is not None:
-                yield llm
-                return
-            pause = getattr(llm.engine_core, "pause_scheduler_async", None)
-            if pause is not None:  # AsyncLLM.pause_generation adds a 20 ms sleep
-                await pause(mode="keep", clear_cache=False)
-            else:
-                await llm.pause_generation(mode="keep", clear_cache=False)
-            try:
-                yield llm
-                # nothing may reuse a prefix computed by the old weights once steps run again
-                await self.rlinfer_reset_prefix_cache()
-            finally:
-                if not llm.errored:
-                    await llm.resume_generation()
-
     # --- weight sync ---------------------------------------------------------------------------
-
-    @hookimpl
-    def rlinfer_weight_specs(self) -> Mapping[str, TensorSpec]:
-        """The checkpoint's parameter names and shapes; dtypes: the checkpoint's under
-        ``dtype="auto"``, else the served dtype."""
-        return dict(self._specs)
 
     async def _rpc(self, method: str, *args: Any) -> Any:
         llm = self._alive()
@@ -442,113 +404,11 @@ class VllmBackend(BenchHooks):
             raise
 
     @hookimpl
-    async def rlinfer_update_weights(self, update: WeightUpdate) -> None:
-        """Hand the (validated) update to the worker, which loads it all-or-nothing."""
-        from rlinfer_core.transfer import ipc
-
-        source = update.source
-        loop = asyncio.get_running_loop()
-        try:
-            started = time.perf_counter()
-            cuda_buckets = ipc.pack_cuda(source.tensors) if isinstance(source, NamedTensors) else None
-            payload = None
-            if cuda_buckets is None and isinstance(source, NamedTensors):
-                payload = await loop.run_in_executor(None, ipc.dumps, list(source.tensors))
-            async with self._paused_for_load():
-                if cuda_buckets is not None:
-                    worker = await self._send_buckets(cuda_buckets)
-                elif payload is not None:
-                    worker = await self._rpc("rlinfer_load_ipc", payload)
-                elif isinstance(source, Buckets):
-                    worker = await self._send_buckets(source.buckets)
-                elif isinstance(source, CheckpointDir):
-                    worker = await self._rpc("rlinfer_load_dir", str(Path(source.path).resolve()))
-                elif isinstance(source, BroadcastSource):
-                    specs = [(s.name, s.dtype, list(s.shape)) for s in source.specs]
-                    worker = await self._rpc("rlinfer_load_broadcast", specs)
-                else:
-                    raise WeightUpdateError(f"unknown weight source {type(source).__name__}")
-                assert self._versions is not None
-                if update.version is not None:
-                    self._versions.version = update.version
-            logger.debug(
-                "weight update: %.1f ms in the backend; worker: %s",
-                (time.perf_counter() - started) * 1e3,
-                {k: round(v * 1e3, 2) if k.endswith("_s") else v for k, v in worker.items()},
-            )
-        except (RLInferError, asyncio.CancelledError):
-            raise
-        except Exception as exc:
-            raise WeightUpdateError(f"vLLM failed to load the update: {exc}") from exc
-
-    async def _send_buckets(self, buckets: Sequence[Bucket]) -> dict[str, float]:
-        from rlinfer_core.transfer import ipc
-
-        manifests = pickle.dumps([b.manifest for b in buckets])
-        pairs = [(str(i), b.data) for i, b in enumerate(buckets)]
-        payload = await asyncio.get_running_loop().run_in_executor(None, ipc.dumps, pairs)
-        timings: dict[str, float] = await self._rpc("rlinfer_load_buckets", manifests, payload)
-        return timings
-
-    @hookimpl
-    async def rlinfer_weights_checksum(self) -> Mapping[str, WeightChecksum]:
-        """Checksums computed in the worker over what its kernels serve (see rlinfer_vllm.served)."""
-        self._caps.require(Capability.WEIGHTS_CHECKSUM)
-        tied = dict(self._info.tied_weights) if self._info is not None else {}
-        rows = await self._rpc("rlinfer_weights_checksum", tied)
-        return {name: WeightChecksum(dtype, tuple(shape), digest) for name, dtype, shape, digest in rows}
-
-    @hookimpl
-    async def rlinfer_init_weight_broadcast(self, group: BroadcastGroup) -> None:
-        """Have the worker join the trainer's group (blocks until every rank joined)."""
-        if self.platform == "cpu" and group.backend != "gloo":
-            raise InvalidRequest("backend", "vLLM on CPU joins gloo groups only")
-        await self._rpc("rlinfer_join_group", attrs.asdict(group))
-
-    @hookimpl
     async def rlinfer_reset_prefix_cache(self) -> None:
         """Drop cached prefixes; running requests are preempted (recomputed) if they hold any."""
         llm = self._alive()
         if not await llm.reset_prefix_cache():
             await llm.reset_prefix_cache(reset_running_requests=True)
-
-    # --- memory --------------------------------------------------------------------------------
-
-    @hookimpl
-    async def rlinfer_release_memory(self, tags: frozenset[MemoryTag]) -> None:
-        """GPU: vLLM sleep mode. CPU: UnsupportedCapability (vLLM frees nothing there)."""
-        self._caps.require(Capability.MEMORY_RELEASE)
-        llm = self._alive()
-        # a tag already released along with the other one: now the caller owns it
-        for tag in tags & self._implicitly_asleep:
-            self._implicitly_asleep.discard(tag)
-            tags = tags - {tag}
-        kv_only = getattr(llm, "release_kv_cache_memory", None)  # vLLM >= 0.32
-        if MemoryTag.WEIGHTS in tags or (MemoryTag.KV_CACHE in tags and kv_only is None):
-            # level 1 offloads weights to host memory and discards the KV cache: whatever of the
-            # two was not asked for is woken up again with the tags that were
-            await llm.sleep(level=1, mode="abort")
-            both = {MemoryTag.WEIGHTS, MemoryTag.KV_CACHE}
-            self._implicitly_asleep |= both - tags - self._asleep
-            self._asleep |= both
-        elif MemoryTag.KV_CACHE in tags and kv_only is not None:
-            await llm.pause_generation(mode="abort")
-            await kv_only()
-            self._asleep.add(MemoryTag.KV_CACHE)
-
-    @hookimpl
-    async def rlinfer_resume_memory(self, tags: frozenset[MemoryTag]) -> None:
-        """GPU: vLLM wake_up for ``tags`` (and the KV cache released along with the weights)."""
-        self._caps.require(Capability.MEMORY_RELEASE)
-        llm = self._alive()
-        wake = (set(tags) | self._implicitly_asleep) & self._asleep
-        if not wake:
-            return
-        await llm.wake_up(tags=sorted(t.value for t in wake))
-        self._asleep -= wake
-        self._implicitly_asleep -= wake
-        if MemoryTag.KV_CACHE in wake:
-            await self.rlinfer_reset_prefix_cache()
 
 
 def _already_shut_down(timeout: float | None = None) -> None:

@@ -21,7 +21,33 @@ Platform = Literal["cpu", "cuda"]
 
 #: supported everywhere the backend runs (weights.checksum is dropped at start for quantized
 #: models and tensor_parallel_size > 1)
-COMMON: frozenset[Capability] = frozenset(Capability) - {Capability.MEMORY_RELEASE, Capability.LOGPROBS_RAW}
+#: named one by one: a capability added to the contract is not claimed until it is implemented
+COMMON: frozenset[Capability] = frozenset(
+    {
+        Capability.STREAM,
+        Capability.CHAT,
+        Capability.PROMPT_LOGPROBS,
+        Capability.TOP_LOGPROBS,
+        Capability.MULTI_SAMPLE,
+        Capability.SEEDED_SAMPLING,
+        Capability.STOP_STRINGS,
+        Capability.ABORT,
+        Capability.PAUSE_ABORT,
+        Capability.PAUSE_WAIT,
+        Capability.PAUSE_KEEP,
+        Capability.WEIGHTS_TENSORS,
+        Capability.WEIGHTS_BUCKETS,
+        Capability.WEIGHTS_DISK,
+        Capability.WEIGHTS_BROADCAST,
+        Capability.WEIGHTS_CHECKSUM,
+        Capability.PREFIX_CACHE_RESET,
+        Capability.SAMPLING_MIN_P,
+        Capability.SAMPLING_PENALTIES,
+        Capability.SAMPLING_LOGIT_BIAS,
+        Capability.LOGPROBS_PROCESSED,
+        Capability.BENCH,  # rlinfer_vllm.bench
+    }
+)
 
 SHARED_NOTES = {
     Capability.LOGPROBS_RAW.value: (

@@ -1,0 +1,63 @@
+"""The vLLM backend's memory hooks (a mixin): vLLM sleep mode on CUDA, refused on CPU."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rlinfer_core.hookspecs import hookimpl
+from rlinfer_core.types import Capabilities, Capability, MemoryTag
+
+if TYPE_CHECKING:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+
+class MemoryHooks:
+    """``rlinfer_release_memory`` / ``rlinfer_resume_memory`` of
+    :class:`rlinfer_vllm.backend.VllmBackend`."""
+
+    _caps: Capabilities
+    _asleep: set[MemoryTag]
+    _implicitly_asleep: set[MemoryTag]
+
+    def _alive(self) -> AsyncLLM:
+        raise NotImplementedError
+
+    async def rlinfer_reset_prefix_cache(self) -> None:
+        """Implemented by the backend."""
+        raise NotImplementedError
+
+    @hookimpl
+    async def rlinfer_release_memory(self, tags: frozenset[MemoryTag]) -> None:
+        """GPU: vLLM sleep mode. CPU: UnsupportedCapability (vLLM frees nothing there)."""
+        self._caps.require(Capability.MEMORY_RELEASE)
+        llm = self._alive()
+        # a tag already released along with the other one: now the caller owns it
+        for tag in tags & self._implicitly_asleep:
+            self._implicitly_asleep.discard(tag)
+            tags = tags - {tag}
+        kv_only = getattr(llm, "release_kv_cache_memory", None)  # vLLM >= 0.32
+        if MemoryTag.WEIGHTS in tags or (MemoryTag.KV_CACHE in tags and kv_only is None):
+            # level 1 offloads weights to host memory and discards the KV cache: whatever of the
+            # two was not asked for is woken up again with the tags that were
+            await llm.sleep(level=1, mode="abort")
+            both = {MemoryTag.WEIGHTS, MemoryTag.KV_CACHE}
+            self._implicitly_asleep |= both - tags - self._asleep
+            self._asleep |= both
+        elif MemoryTag.KV_CACHE in tags and kv_only is not None:
+            await llm.pause_generation(mode="abort")
+            await kv_only()
+            self._asleep.add(MemoryTag.KV_CACHE)
+
+    @hookimpl
+    async def rlinfer_resume_memory(self, tags: frozenset[MemoryTag]) -> None:
+        """GPU: vLLM wake_up for ``tags`` (and the KV cache released along with the weights)."""
+        self._caps.require(Capability.MEMORY_RELEASE)
+        llm = self._alive()
+        wake = (set(tags) | self._implicitly_asleep) & self._asleep
+        if not wake:
+            return
+        await llm.wake_up(tags=sorted(t.value for t in wake))
+        self._asleep -= wake
+        self._implicitly_asleep -= wake
+        if MemoryTag.KV_CACHE in wake:
+            await self.rlinfer_reset_prefix_cache()
