@@ -44,7 +44,9 @@ def engine(models: tuple[Path, Path]) -> Iterator[Engine]:
         eng.shutdown()
 
 
-def hf_logprobs(model_dir: Path, weights: Mapping[str, Any], prompt: Sequence[int], tokens: Sequence[int]) -> list[float]:
+def hf_logprobs(
+    model_dir: Path, weights: Mapping[str, Any], prompt: Sequence[int], tokens: Sequence[int]
+) -> list[float]:
     """Teacher-forced log_softmax of ``tokens`` after ``prompt`` by HF transformers (float32)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
