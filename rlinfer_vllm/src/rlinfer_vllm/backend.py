@@ -55,6 +55,9 @@ logger = logging.getLogger(__name__)
 #: how long abort() keeps re-aborting requests that were not registered in vLLM yet
 ABORT_SETTLE_S = 2.0
 
+#: how often calls look for exited engine processes (a dead worker -> EngineDead)
+PROCESS_CHECK_S = 0.2
+
 
 def create(config: EngineConfig) -> VllmBackend:
     """Factory named by the ``rlinfer.backends: vllm`` entry point."""
@@ -81,6 +84,8 @@ class VllmBackend(WeightHooks, MemoryHooks, BenchHooks):
         self._asleep: set[MemoryTag] = set()
         self._implicitly_asleep: set[MemoryTag] = set()
         self._versions: TokenVersions | None = None
+        self._dead_pids: list[int] = []
+        self._procs_checked_at = 0.0
         #: held while pausing, resuming or loading weights; _user_pause: the caller's pause mode
         self._pause_lock = asyncio.Lock()
         self._user_pause: PauseMode | None = None
@@ -189,9 +194,14 @@ class VllmBackend(WeightHooks, MemoryHooks, BenchHooks):
         return llm
 
     def _dead_processes(self) -> list[int]:
-        """Pids of engine processes (engine core, workers) that are no longer running."""
-        running = {p.pid for p in processes.alive(self._engine_procs)}
-        return [p.pid for p in self._engine_procs if p.pid not in running]
+        """Pids of engine processes (engine core, workers) that are no longer running; looked up
+        at most every PROCESS_CHECK_S (it reads /proc per process, and runs per request)."""
+        now = time.monotonic()
+        if now - self._procs_checked_at >= PROCESS_CHECK_S or self._dead_pids:
+            running = {p.pid for p in processes.alive(self._engine_procs)}
+            self._dead_pids = [p.pid for p in self._engine_procs if p.pid not in running]
+            self._procs_checked_at = now
+        return self._dead_pids
 
     @hookimpl
     async def rlinfer_shutdown(self) -> None:
@@ -351,6 +361,7 @@ class VllmBackend(WeightHooks, MemoryHooks, BenchHooks):
             return exc
         if isinstance(exc, EngineDeadError) or (self._llm is not None and self._llm.errored):
             return EngineDead(f"the vLLM engine core died: {exc}; open a new engine")
+        self._procs_checked_at = 0.0  # look now: the error may be the first sign
         gone = self._dead_processes()
         if gone:  # a dead worker surfaces as vLLM's EngineGenerateError before the core notices
             return EngineDead(f"vLLM engine process(es) {gone} died ({type(exc).__name__}: {exc}); open a new engine")
