@@ -38,7 +38,7 @@ SPECS = {
     "w": TensorSpec("w", "float32", (2, 2)),
     "b": TensorSpec("b", "float32", (2,)),
 }
-DEFAULT_SUPPORTED = frozenset(Capability) - {Capability.MEMORY_RELEASE, Capability.CHAT}
+DEFAULT_SUPPORTED = frozenset(Capability) - {Capability.MEMORY_RELEASE, Capability.CHAT, Capability.WEIGHTS_CHECKSUM}
 
 #: every double built by the factory, newest last (tests read the one their engine uses)
 INSTANCES: list[RecordingDoubleBackend] = []
@@ -155,6 +155,15 @@ class RecordingDoubleBackend:
     @hookimpl
     async def rlinfer_shutdown(self) -> None:
         self.calls.append(("shutdown", None))
+
+    @hookimpl
+    async def rlinfer_bench_raw_generate(self, requests: Sequence[GenerateRequest]) -> int:
+        self.calls.append(("bench_raw_generate", [r.request_id for r in requests]))
+        return sum(r.sampling.max_tokens * r.sampling.n for r in requests)
+
+    @hookimpl
+    async def rlinfer_bench_raw_weight_update(self, path: str) -> None:
+        self.calls.append(("bench_raw_weight_update", path))
 
 
 def make_double(config: EngineConfig) -> RecordingDoubleBackend:

@@ -15,7 +15,7 @@ from typing import Any
 import pluggy
 import pytest
 import torch
-from recording_double import INSTANCES, RecordingDoubleBackend, RecordingObserver
+from recording_double import DEFAULT_SUPPORTED, INSTANCES, RecordingDoubleBackend, RecordingObserver
 from rlinfer_core.engine import AsyncEngine, open_engine
 from rlinfer_core.errors import (
     EngineDead,
@@ -149,7 +149,7 @@ def test_backend_failure_keeps_version_and_is_typed() -> None:
 
 def test_unsupported_transport_is_refused_before_the_backend(tmp_path: Path) -> None:
     async def body() -> None:
-        supported = [c.value for c in Capability if c is not Capability.WEIGHTS_DISK]
+        supported = [c.value for c in DEFAULT_SUPPORTED if c is not Capability.WEIGHTS_DISK]
         engine = await opened(supported=supported)
         with pytest.raises(UnsupportedCapability) as info:
             await engine.update_weights(CheckpointDir(str(tmp_path)))

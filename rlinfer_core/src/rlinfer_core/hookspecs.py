@@ -8,6 +8,10 @@ Two kinds of hooks:
   backend; the facade (:class:`rlinfer_core.engine.AsyncEngine`) awaits what they return. The
   facade validates inputs and checks capabilities *before* calling them, so a backend sees only
   well-formed requests and weight updates that match its parameters.
+  :mod:`rlinfer_core.backend` states the same hooks as typed protocols: :class:`~rlinfer_core.backend.Backend`
+  (required) and one optional protocol per capability (streaming, abort, pause, broadcast,
+  checksums, memory, prefix cache, engine processes, bench); the facade calls them as typed
+  methods, and refuses at open a backend that claims a capability without its hooks.
 * **Event hooks** (``rlinfer_on_...``): for any number of observer plugins (metrics, tracing,
   parity checks), found through the entry-point group ``rlinfer.plugins``. They are called after
   the fact, return nothing and must not raise; they never branch on the backend.
@@ -25,7 +29,9 @@ import pluggy
 
 if TYPE_CHECKING:
     from rlinfer_core.checksum import WeightChecksum
+    from rlinfer_core.lora import LoraAdapter
     from rlinfer_core.model_info import ModelInfo
+    from rlinfer_core.tools import ToolCalls, ToolSpec
     from rlinfer_core.types import (
         Capabilities,
         Completion,
@@ -179,7 +185,7 @@ def rlinfer_reset_prefix_cache() -> Awaitable[None]:
     """Drop every cached prefix so that no output depends on KV computed by older weights."""
 
 
-# --- benchmarking ------------------------------------------------------------------------------
+# --- benchmarking (optional: only for backends claiming Capability.BENCH) ----------------------
 
 
 @hookspec(firstresult=True)
@@ -193,6 +199,67 @@ def rlinfer_bench_raw_generate(requests: Sequence[GenerateRequest]) -> Awaitable
 def rlinfer_bench_raw_weight_update(path: str) -> Awaitable[None]:
     """Reload weights from the safetensors directory ``path`` with the engine's own call, with no
     rlinfer validation; used by ``rlinfer bench`` as the baseline for weight-update time."""
+
+
+# --- agent rollouts (issue 13; each optional, behind its capability) ----------------------------
+#
+# Sessions (capability ``sessions``) and scoring (``score``) need no hook: the facade builds them on
+# rlinfer_generate (rlinfer_core.session, rlinfer_core.scoring, rlinfer_core.agent).
+#
+# Structured output (``generate.structured``) needs no hook either: ``request.sampling.structured``
+# (rlinfer_core.structured.StructuredOutput: kind json_schema | regex | choice, value already
+# validated) reaches rlinfer_generate / rlinfer_generate_stream; the backend hands it to its
+# engine's grammar backend and every output must parse / match in full. Under a constraint,
+# logprobs_mode "processed" includes the grammar mask (forbidden tokens have probability 0, the
+# rest renormalised, like allowed_token_ids); "raw" is log_softmax of the model's logits.
+#
+# Tools (``generate.tools``): for ``messages`` requests rlinfer_generate renders the chat template
+# with ``tools=[t.to_openai() for t in request.tools]`` (the template's tool section), exactly as
+# ``tokenizer.apply_chat_template(messages, tools=..., add_generation_prompt=True)`` does. Parsing
+# is rlinfer_parse_tool_calls below; the facade calls it on the decoded output of every request
+# with a ``tool_parser`` and sets ``Completion.tool_calls``.
+#
+# LoRA (``lora``): ``request.lora`` names a loaded adapter for rlinfer_generate /
+# rlinfer_generate_stream (the facade has checked it is loaded); None means the base weights.
+
+
+@hookspec(firstresult=True)
+def rlinfer_parse_tool_calls(text: str, parser: str, tools: Sequence[ToolSpec]) -> ToolCalls:
+    """Parse tool calls in generated ``text`` with the **engine's own** parser (sync).
+
+    ``parser`` is a contract name (:data:`rlinfer_core.tools.TOOL_PARSERS`): "hermes", "qwen" or
+    "llama"; the backend maps it onto its engine's parser. Return a
+    :class:`~rlinfer_core.tools.ToolCalls` with one :class:`~rlinfer_core.tools.ToolCall` per call
+    in order (``name``, ``arguments`` as a dict, ``arguments_json``, ``raw`` = the call's text) and
+    ``content`` = the text outside the calls. Never raise for bad model output: a call the parser
+    cannot read (broken JSON, missing name, an unterminated call) is a ToolCall with ``error`` set
+    and ``raw`` holding its text. Engine parsers that swallow errors (returning no calls although
+    the text holds a call marker) must be detected and reported that way. The facade marks calls
+    of unknown tools and schema-invalid arguments itself.
+    """
+
+
+@hookspec(firstresult=True)
+def rlinfer_load_lora(adapter: LoraAdapter, replace: bool) -> Awaitable[None]:
+    """Load LoRA ``adapter`` (a PEFT directory ``adapter.path``, or ``adapter.tensors`` with the
+    PEFT config ``adapter.config``) under ``adapter.name``.
+
+    ``replace=False``: a new adapter. ``replace=True``: update the loaded adapter of that name in
+    place (same rank and target modules, checked by the facade): requests admitted after this
+    returns use the new weights, and no prefix-cache entry computed with the old weights is
+    reused. Raise :class:`~rlinfer_core.errors.InvalidRequest` (field ``lora``) when the engine
+    rejects the adapter (e.g. rank above its maximum); the engine keeps what it served before.
+    """
+
+
+@hookspec(firstresult=True)
+def rlinfer_unload_lora(name: str) -> Awaitable[None]:
+    """Unload the adapter ``name`` (the facade checked it is loaded)."""
+
+
+@hookspec(firstresult=True)
+def rlinfer_list_loras() -> Awaitable[Sequence[str]]:
+    """Names of the adapters the engine holds now (the facade checks them against its registry)."""
 
 
 # --- events for observer plugins ----------------------------------------------------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Coroutine, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from rlinfer_core.types import (
@@ -87,16 +87,18 @@ class Engine:
         return self._run(self.async_engine.generate(requests))
 
     def stream(self, request: GenerateRequest) -> Iterator[CompletionDelta]:
-        """See :meth:`AsyncEngine.stream`."""
-        iterator = self.async_engine.stream(request)
+        """See :meth:`AsyncEngine.stream` (checked when called, before any iteration)."""
+        return self._iterate(self.async_engine.stream(request))
+
+    def _iterate(self, iterator: AsyncGenerator[CompletionDelta, None]) -> Iterator[CompletionDelta]:
         try:
             while True:
                 try:
-                    yield self._run(anext(iterator))  # type: ignore[arg-type]
+                    yield self._run(anext(iterator))
                 except StopAsyncIteration:
                     return
         finally:
-            self._run(iterator.aclose())  # type: ignore[attr-defined]
+            self._run(iterator.aclose())
 
     def abort(self, request_ids: Sequence[str] | str | None = None) -> None:
         """See :meth:`AsyncEngine.abort`."""

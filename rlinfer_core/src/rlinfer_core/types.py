@@ -15,6 +15,8 @@ import attrs
 
 from rlinfer_core import _validate as v
 from rlinfer_core.errors import InvalidRequest, UnsupportedCapability
+from rlinfer_core.structured import StructuredOutput, to_structured
+from rlinfer_core.tools import ToolCalls, ToolSpec, check_parser, to_tools
 
 MAX_TOP_LOGPROBS = 20
 MAX_N = 256
@@ -80,6 +82,21 @@ class Capability(enum.StrEnum):
     #: logprobs_mode="processed" under truncation (top_p, top_k, min_p): renormalised over the
     #: tokens that could be sampled
     LOGPROBS_PROCESSED = "logprobs.processed"
+    #: the raw-engine baselines of ``rlinfer bench`` (:class:`rlinfer_core.backend.BenchBackend`);
+    #: optional, not part of serving
+    BENCH = "bench"
+    #: multi-turn episodes with token continuity (:mod:`rlinfer_core.session`); derived by the
+    #: facade from plain generate (:mod:`rlinfer_core.derived`)
+    SESSIONS = "sessions"
+    #: teacher-forced logprobs of given tokens (:mod:`rlinfer_core.scoring`); derived by the
+    #: facade from generate.prompt_logprobs
+    SCORE = "score"
+    #: tools on requests (chat template tool section) and parsed tool calls (:mod:`rlinfer_core.tools`)
+    TOOLS = "generate.tools"
+    #: JSON schema / regex / choice constraints (:mod:`rlinfer_core.structured`)
+    STRUCTURED = "generate.structured"
+    #: LoRA adapters: load, unload, update in place, per-request use (:mod:`rlinfer_core.lora`)
+    LORA = "lora"
 
 
 PAUSE_CAPABILITY: Mapping[PauseMode, Capability] = {
@@ -182,6 +199,8 @@ class SamplingParams:
         default=None, converter=_to_optional_ids, validator=attrs.validators.optional(v.int_items())
     )
     logprobs_mode: LogprobsMode = attrs.field(default=LogprobsMode.PROCESSED, converter=_to_logprobs_mode)
+    #: constrain the output to a JSON schema, a regex or a choice (capability generate.structured)
+    structured: StructuredOutput | None = attrs.field(default=None, converter=to_structured)
 
     def __attrs_post_init__(self) -> None:
         if self.top_k == 0:
@@ -224,6 +243,15 @@ def _new_request_id() -> str:
     return uuid.uuid4().hex
 
 
+#: a fresh request id (what GenerateRequest uses by default)
+new_request_id = _new_request_id
+
+
+def _check_lora_name(_inst: Any, _attribute: Any, value: Any) -> None:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise InvalidRequest("lora", f"must be a loaded adapter's name or None, got {value!r}")
+
+
 def _to_messages(value: Any) -> tuple[ChatMessage, ...] | None:
     if value is None:
         return None
@@ -256,6 +284,14 @@ class GenerateRequest:
         factory=SamplingParams, validator=v.instance_of(SamplingParams, "a SamplingParams")
     )
     request_id: str = attrs.field(factory=_new_request_id)
+    #: tools the model may call (capability generate.tools): rendered into the chat template's tool
+    #: section for ``messages`` requests, and used to check parsed calls
+    tools: tuple[ToolSpec, ...] | None = attrs.field(default=None, converter=to_tools)
+    #: parse tool calls in the output with this format ("hermes", "qwen", "llama"); sets
+    #: Completion.tool_calls (capability generate.tools)
+    tool_parser: str | None = attrs.field(default=None, validator=lambda _i, _a, value: check_parser(value))
+    #: generate with this loaded LoRA adapter (capability lora); None: the base weights
+    lora: str | None = attrs.field(default=None, validator=_check_lora_name)
 
     def __attrs_post_init__(self) -> None:
         if (self.prompt_token_ids is None) == (self.messages is None):
@@ -293,6 +329,8 @@ class Completion:
     text: str | None = None  #: detokenized output when the engine has a tokenizer
     latency_s: float | None = None
     token_versions: tuple[int, ...] | None = None  #: per token; filled for every completion
+    #: tool calls parsed from the output when the request named a ``tool_parser`` (token_ids stay raw)
+    tool_calls: ToolCalls | None = None
 
 
 @attrs.frozen

@@ -7,7 +7,7 @@ trainer sees all bad names/shapes/dtypes at once. Nothing here touches the engin
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, assert_never
 
 from rlinfer_core.errors import WeightUpdateError
 from rlinfer_core.weights import (
@@ -94,21 +94,23 @@ def validate_source(source: WeightSource, expected: Mapping[str, TensorSpec]) ->
     Broadcast sources are checked by spec only here; the receiving backend checks finiteness
     of what arrives before loading any of it.
     """
-    if isinstance(source, NamedTensors):
-        return check_tensors(list(source.tensors), expected)
-    if isinstance(source, Buckets):
-        from rlinfer_core.transfer.buckets import unpack_all
+    match source:
+        case NamedTensors():
+            return check_tensors(list(source.tensors), expected)
+        case Buckets():
+            from rlinfer_core.transfer.buckets import unpack_all
 
-        return check_tensors(unpack_all(source.buckets, check=True), expected)
-    if isinstance(source, CheckpointDir):
-        from rlinfer_core.transfer.disk import read_tensors
+            return check_tensors(unpack_all(source.buckets, check=True), expected)
+        case CheckpointDir():
+            from rlinfer_core.transfer.disk import read_tensors
 
-        return check_tensors(read_tensors(source.path), expected)
-    if isinstance(source, BroadcastSource):
-        problems = spec_problems(source.specs, expected)
-        if problems:
-            raise WeightUpdateError("weight update rejected", tuple(problems))
-        from rlinfer_core.transfer.buckets import to_dtype
+            return check_tensors(read_tensors(source.path), expected)
+        case BroadcastSource():
+            problems = spec_problems(source.specs, expected)
+            if problems:
+                raise WeightUpdateError("weight update rejected", tuple(problems))
+            from rlinfer_core.transfer.buckets import to_dtype
 
-        return sum(s.numel * to_dtype(s.dtype).itemsize for s in source.specs)
-    raise WeightUpdateError(f"unknown weight source {type(source).__name__}")
+            return sum(s.numel * to_dtype(s.dtype).itemsize for s in source.specs)
+        case _:
+            assert_never(source)

@@ -1,0 +1,156 @@
+"""The facade's state and plumbing, shared by :class:`rlinfer_core.engine.AsyncEngine`'s parts:
+the typed backend and its optional hooks, admission, the weight version, timeouts."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import pluggy
+
+from rlinfer_core import hookspecs
+from rlinfer_core.admission import Admission
+from rlinfer_core.backend import (
+    AbortingBackend,
+    Backend,
+    BenchBackend,
+    BroadcastBackend,
+    ChecksumBackend,
+    MemoryBackend,
+    PausingBackend,
+    PrefixCacheBackend,
+    ProcessesBackend,
+    StreamingBackend,
+    check_backend,
+)
+from rlinfer_core.discovery import BackendInfo
+from rlinfer_core.errors import EngineDead, EngineTimeout, RLInferError
+from rlinfer_core.model_info import ModelInfo
+from rlinfer_core.observers import Observers
+from rlinfer_core.preflight import validate_request
+from rlinfer_core.types import Capabilities, EngineConfig, GenerateRequest, MemoryTag
+from rlinfer_core.weights import TensorSpec
+
+T = TypeVar("T")
+
+
+class EngineBase:
+    """State and plumbing of the facade; build an engine with ``AsyncEngine.open``."""
+
+    def __init__(
+        self,
+        info: BackendInfo,
+        backend: Any,
+        config: EngineConfig,
+        plugins: Sequence[Any] = (),
+        entry_point_plugins: Sequence[Any] = (),
+    ) -> None:
+        self.backend_name = info.name
+        self.config = config
+        self._info = info
+        self._backend: Backend = check_backend(info.name, backend)
+        # pluggy checks the backend's hookimpl signatures against the hookspecs at registration;
+        # the facade then calls the typed methods. Observers live apart and cannot take them over.
+        self._pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self._pm.add_hookspecs(hookspecs)
+        self._pm.register(backend, name=f"backend:{info.name}")
+        self._stream_impl = backend if isinstance(backend, StreamingBackend) else None
+        self._abort_impl = backend if isinstance(backend, AbortingBackend) else None
+        self._pause_impl = backend if isinstance(backend, PausingBackend) else None
+        self._broadcast_impl = backend if isinstance(backend, BroadcastBackend) else None
+        self._checksum_impl = backend if isinstance(backend, ChecksumBackend) else None
+        self._memory_impl = backend if isinstance(backend, MemoryBackend) else None
+        self._prefix_impl = backend if isinstance(backend, PrefixCacheBackend) else None
+        self._processes_impl = backend if isinstance(backend, ProcessesBackend) else None
+        self._bench_impl = backend if isinstance(backend, BenchBackend) else None
+        self._observers = Observers(plugins, entry_point_plugins)
+        self._admission = Admission()
+        self._version = 0
+        self._released: set[MemoryTag] = set()
+        self._weight_lock = asyncio.Lock()
+        self._closed = False
+        self.capabilities: Capabilities = self._backend.rlinfer_capabilities()
+        self.model_info: ModelInfo | None = None
+        self._weight_specs: Mapping[str, TensorSpec] | None = None
+
+    @property
+    def weight_version(self) -> int:
+        """Version of the weights now served: 0 at start, +1 (or as requested) per update."""
+        return self._version
+
+    @property
+    def weight_specs(self) -> Mapping[str, TensorSpec]:
+        """HF parameter names the engine accepts, with dtype and shape."""
+        if self._weight_specs is None:
+            self._weight_specs = dict(self._backend.rlinfer_weight_specs())
+        return self._weight_specs
+
+    @property
+    def released(self) -> frozenset[MemoryTag]:
+        """Memory tags now released."""
+        return frozenset(self._released)
+
+    @property
+    def in_flight(self) -> frozenset[str]:
+        """Request ids handed to generate/stream that have not returned yet."""
+        return self._admission.in_flight
+
+    def _validate_request(self, request: GenerateRequest) -> None:
+        self._ensure_open()
+        validate_request(request, self.capabilities, self._released, self.model_info)
+
+    # --- plumbing ------------------------------------------------------------------------------
+
+    def _ensure_open(self) -> None:
+        if self._closed:
+            raise EngineDead(f"engine {self.backend_name!r} was shut down; open a new one")
+
+    async def _with_timeout(
+        self,
+        awaitable: Awaitable[T],
+        timeout: float,
+        what: str,
+        on_timeout: Callable[[], Awaitable[None]] | None = None,
+    ) -> T:
+        try:
+            return await asyncio.wait_for(awaitable, timeout=timeout)
+        except TimeoutError:
+            if on_timeout is not None:
+                await on_timeout()
+            raise EngineTimeout(
+                f"{what} did not finish within {timeout:.0f} s on backend {self.backend_name!r}; "
+                f"raise EngineConfig.request_timeout_s if the work is legitimately long"
+            ) from None
+
+    async def _engine_call(
+        self,
+        call: Callable[[], Awaitable[T]],
+        timeout: float,
+        what: str,
+        on_timeout: Callable[[], Awaitable[None]] | None = None,
+    ) -> T:
+        """A request-path call (generate, each stream step): bounded by ``timeout``; an untyped
+        error from a dead engine becomes EngineDead."""
+        try:
+            return await self._with_timeout(call(), timeout, what, on_timeout)
+        except (RLInferError, StopAsyncIteration):
+            raise
+        except Exception as exc:
+            await self._raise_if_dead(exc)
+            raise
+
+    async def _abort_quietly(self, request_ids: list[str]) -> None:
+        if self._abort_impl is None:
+            return
+        with contextlib.suppress(Exception):  # the timeout error is what the caller must see
+            await asyncio.wait_for(self._abort_impl.rlinfer_abort(request_ids), timeout=10.0)
+
+    async def _raise_if_dead(self, exc: BaseException) -> None:
+        try:
+            await asyncio.wait_for(self._backend.rlinfer_check_health(), timeout=10.0)
+        except EngineDead:
+            raise
+        except TimeoutError:
+            raise EngineDead(f"engine {self.backend_name!r} stopped answering after: {exc}") from exc

@@ -1,0 +1,197 @@
+"""The facade's weight-sync, memory and benchmark operations (part of ``AsyncEngine``)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from rlinfer_core.backend import present
+from rlinfer_core.checksum import WeightChecksum, WeightVerification
+from rlinfer_core.engine_base import EngineBase
+from rlinfer_core.errors import EngineDead, EngineTimeout, InvalidRequest, WeightUpdateError
+from rlinfer_core.preflight import as_memory_tags, transport_capability, transport_name
+from rlinfer_core.types import Capability, GenerateRequest, MemoryTag
+from rlinfer_core.weights import BroadcastGroup, NamedTensors, WeightSource, WeightUpdate
+
+
+class EngineWeights(EngineBase):
+    """Weight sync, integrity checks, prefix cache, memory release and bench baselines."""
+
+    # --- weight sync ---------------------------------------------------------------------------
+
+    async def update_weights(
+        self, update: WeightUpdate | WeightSource | Mapping[str, Any], *, version: int | None = None
+    ) -> int:
+        """Load new weights, all or nothing; return the new weight version.
+
+        Accepts a WeightUpdate, a bare source, or a ``{name: tensor}`` mapping. Everything is
+        validated against :attr:`weight_specs` before the engine is touched; on any failure
+        WeightUpdateError is raised and the previous weights and version keep serving.
+        """
+        self._ensure_open()
+        if isinstance(update, Mapping):
+            update = NamedTensors.of(dict(update))
+        if not isinstance(update, WeightUpdate):
+            update = WeightUpdate(update, version=version)
+        transport = transport_name(update.source)
+        async with self._weight_lock:
+            try:
+                self.capabilities.require(transport_capability(update.source))
+                target = self._version + 1 if update.version is None else update.version
+                if target <= self._version:
+                    raise WeightUpdateError(
+                        f"version {target} must be greater than the current version {self._version}"
+                    )
+                if MemoryTag.WEIGHTS in self._released:
+                    raise WeightUpdateError("weights are released; call resume_memory(['weights']) first")
+                from rlinfer_core.transfer.validate import validate_source
+
+                nbytes = validate_source(update.source, self.weight_specs)
+                started = time.perf_counter()
+                try:
+                    await self._with_timeout(
+                        self._backend.rlinfer_update_weights(attrs.evolve(update, version=target)),
+                        self.config.request_timeout_s,
+                        "update_weights",
+                    )
+                except (WeightUpdateError, EngineDead, EngineTimeout):
+                    raise
+                except Exception as exc:
+                    await self._raise_if_dead(exc)
+                    raise WeightUpdateError(f"backend {self.backend_name!r} failed to load the update: {exc}") from exc
+                self._version = target
+                await self._reset_prefix_cache()
+            except Exception as exc:
+                self._observers.emit(
+                    "rlinfer_on_weight_update_failed", backend=self.backend_name, transport=transport, error=exc
+                )
+                raise
+        self._observers.emit(
+            "rlinfer_on_weights_updated",
+            backend=self.backend_name,
+            version=target,
+            transport=transport,
+            nbytes=nbytes,
+            seconds=time.perf_counter() - started,
+        )
+        return target
+
+    @property
+    def broadcast_ranks(self) -> int:
+        """How many ranks of a broadcast group this engine takes (one per tensor-parallel worker)."""
+        return self.config.tensor_parallel_size
+
+    async def init_weight_broadcast(self, group: BroadcastGroup) -> None:
+        """Have the engine join the trainer's broadcast group (trainer is rank 0).
+
+        Call it concurrently with :class:`rlinfer_core.transfer.broadcast.WeightBroadcaster`
+        construction on the trainer side: both block until the group is formed.
+        """
+        self._ensure_open()
+        self.capabilities.require(Capability.WEIGHTS_BROADCAST)
+        impl = present(self._broadcast_impl, "rlinfer_init_weight_broadcast", self.backend_name)
+        if group.rank_offset + self.broadcast_ranks > group.world_size:
+            raise InvalidRequest(
+                "world_size",
+                f"the group needs at least rank_offset + {self.broadcast_ranks} engine ranks "
+                f"= {group.rank_offset + self.broadcast_ranks}, got world_size={group.world_size}",
+            )
+        await self._with_timeout(
+            impl.rlinfer_init_weight_broadcast(group), group.timeout_s + 30.0, "init_weight_broadcast"
+        )
+
+    async def weights_checksum(self) -> Mapping[str, WeightChecksum]:
+        """Checksums of every tensor the engine serves, computed inside the engine (HF names)."""
+        self._ensure_open()
+        self.capabilities.require(Capability.WEIGHTS_CHECKSUM)
+        impl = present(self._checksum_impl, "rlinfer_weights_checksum", self.backend_name)
+        if MemoryTag.WEIGHTS in self._released:
+            raise InvalidRequest("engine_state", "weights are released; call resume_memory(['weights']) first")
+        return await self._with_timeout(
+            impl.rlinfer_weights_checksum(), self.config.request_timeout_s, "weights_checksum"
+        )
+
+    async def verify_weights(self, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> WeightVerification:
+        """Compare what the engine serves with the trainer's ``tensors`` (bit for bit, in the dtype
+        the engine holds). A tied output head is checked against the embedding it is tied to."""
+        from rlinfer_core.checksum import verify
+
+        served = await self.weights_checksum()
+        tied = self.model_info.tied_weights if self.model_info is not None else {}
+        return verify(served, tensors, tied)
+
+    def engine_processes(self) -> Mapping[str, int]:
+        """The engine's child processes now running, ``{role: pid}``."""
+        self._ensure_open()
+        impl = present(self._processes_impl, "rlinfer_engine_processes", self.backend_name)
+        return impl.rlinfer_engine_processes()
+
+    async def reset_prefix_cache(self) -> None:
+        """Drop cached prefixes (done automatically after every weight update)."""
+        self._ensure_open()
+        self.capabilities.require(Capability.PREFIX_CACHE_RESET)
+        await self._reset_prefix_cache()
+
+    async def _reset_prefix_cache(self) -> None:
+        if self.capabilities.supports(Capability.PREFIX_CACHE_RESET):
+            impl = present(self._prefix_impl, "rlinfer_reset_prefix_cache", self.backend_name)
+            await self._with_timeout(impl.rlinfer_reset_prefix_cache(), 60.0, "reset_prefix_cache")
+
+    # --- memory --------------------------------------------------------------------------------
+
+    async def release_memory(self, tags: Iterable[MemoryTag | str] | MemoryTag | str | None = None) -> None:
+        """Free accelerator memory for ``tags`` (default: all). Raises UnsupportedCapability where
+        the platform cannot free it (e.g. CPU): never a silent no-op."""
+        self._ensure_open()
+        wanted = as_memory_tags(tags)
+        self.capabilities.require(Capability.MEMORY_RELEASE)
+        impl = present(self._memory_impl, "rlinfer_release_memory", self.backend_name)
+        todo = frozenset(wanted - self._released)
+        if not todo:
+            return
+        started = time.perf_counter()
+        await self._with_timeout(impl.rlinfer_release_memory(todo), 300.0, "release_memory")
+        self._released |= todo
+        self._observers.emit(
+            "rlinfer_on_memory_released", backend=self.backend_name, tags=todo, seconds=time.perf_counter() - started
+        )
+
+    async def resume_memory(self, tags: Iterable[MemoryTag | str] | MemoryTag | str | None = None) -> None:
+        """Re-allocate memory released by :meth:`release_memory` (default: all tags)."""
+        self._ensure_open()
+        wanted = as_memory_tags(tags)
+        self.capabilities.require(Capability.MEMORY_RELEASE)
+        impl = present(self._memory_impl, "rlinfer_resume_memory", self.backend_name)
+        todo = frozenset(wanted & self._released)
+        if not todo:
+            return
+        started = time.perf_counter()
+        await self._with_timeout(impl.rlinfer_resume_memory(todo), 300.0, "resume_memory")
+        self._released -= todo
+        self._observers.emit(
+            "rlinfer_on_memory_resumed", backend=self.backend_name, tags=todo, seconds=time.perf_counter() - started
+        )
+
+    # --- benchmarking (Capability.BENCH; optional) ---------------------------------------------
+
+    async def bench_raw_generate(self, requests: Sequence[GenerateRequest]) -> int:
+        """Run ``requests`` through the engine's native API (no rlinfer conversion); tokens out."""
+        self._ensure_open()
+        self.capabilities.require(Capability.BENCH)
+        impl = present(self._bench_impl, "rlinfer_bench_raw_generate", self.backend_name)
+        return await self._with_timeout(
+            impl.rlinfer_bench_raw_generate(list(requests)), self.config.request_timeout_s, "bench_raw_generate"
+        )
+
+    async def bench_raw_weight_update(self, path: str) -> None:
+        """The engine's own reload from a safetensors directory, unvalidated (bench baseline)."""
+        self._ensure_open()
+        self.capabilities.require(Capability.BENCH)
+        impl = present(self._bench_impl, "rlinfer_bench_raw_weight_update", self.backend_name)
+        await self._with_timeout(
+            impl.rlinfer_bench_raw_weight_update(path), self.config.request_timeout_s, "bench_raw_weight_update"
+        )
+        await self._reset_prefix_cache()

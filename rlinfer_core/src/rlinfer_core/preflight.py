@@ -1,0 +1,130 @@
+"""What the facade checks before a backend sees anything: the capabilities a request or a weight
+transport needs, request limits, memory tags. Pure functions; no engine, no torch."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import assert_never
+
+from rlinfer_core.errors import InvalidRequest
+from rlinfer_core.model_info import ModelInfo
+from rlinfer_core.types import (
+    ALL_MEMORY_TAGS,
+    Capabilities,
+    Capability,
+    GenerateRequest,
+    LogprobsMode,
+    MemoryTag,
+)
+from rlinfer_core.weights import BroadcastSource, Buckets, CheckpointDir, NamedTensors, WeightSource
+
+
+def transport_capability(source: WeightSource) -> Capability:
+    """The capability a weight source's transport needs (a new transport is a type error here)."""
+    match source:
+        case NamedTensors():
+            return Capability.WEIGHTS_TENSORS
+        case Buckets():
+            return Capability.WEIGHTS_BUCKETS
+        case CheckpointDir():
+            return Capability.WEIGHTS_DISK
+        case BroadcastSource():
+            return Capability.WEIGHTS_BROADCAST
+        case _:
+            assert_never(source)
+
+
+#: the same, by type (for callers that hold a type rather than a source)
+TRANSPORT_CAPABILITY: Mapping[type, Capability] = {
+    NamedTensors: Capability.WEIGHTS_TENSORS,
+    Buckets: Capability.WEIGHTS_BUCKETS,
+    CheckpointDir: Capability.WEIGHTS_DISK,
+    BroadcastSource: Capability.WEIGHTS_BROADCAST,
+}
+
+
+def transport_name(source: WeightSource) -> str:
+    """Short name of a weight source's transport ("tensors", "buckets", "disk", "broadcast")."""
+    return transport_capability(source).value.removeprefix("weights.")
+
+
+def request_capabilities(request: GenerateRequest) -> list[Capability]:
+    """The capabilities a request needs beyond plain generation."""
+    s = request.sampling
+    needed = []
+    if request.messages is not None:
+        needed.append(Capability.CHAT)
+    if s.prompt_logprobs:
+        needed.append(Capability.PROMPT_LOGPROBS)
+    if s.logprobs:
+        needed.append(Capability.TOP_LOGPROBS)
+    if s.n > 1:
+        needed.append(Capability.MULTI_SAMPLE)
+    if s.seed is not None and not s.greedy:
+        needed.append(Capability.SEEDED_SAMPLING)
+    if s.stop:
+        needed.append(Capability.STOP_STRINGS)
+    if s.min_p > 0.0:
+        needed.append(Capability.SAMPLING_MIN_P)
+    if s.penalised:
+        needed.append(Capability.SAMPLING_PENALTIES)
+    if s.biased:
+        needed.append(Capability.SAMPLING_LOGIT_BIAS)
+    if s.logprobs_mode is LogprobsMode.RAW:
+        needed.append(Capability.LOGPROBS_RAW)
+    elif s.truncates and not s.greedy:
+        needed.append(Capability.LOGPROBS_PROCESSED)
+    return needed
+
+
+def as_memory_tags(tags: Iterable[MemoryTag | str] | MemoryTag | str | None) -> frozenset[MemoryTag]:
+    """Normalise tags; ``None`` means all tags."""
+    if tags is None:
+        return ALL_MEMORY_TAGS
+    if isinstance(tags, str):
+        tags = [tags]
+    out = set()
+    for tag in tags:
+        try:
+            out.add(MemoryTag(tag))
+        except ValueError:
+            raise InvalidRequest("tags", f"must be among {[t.value for t in MemoryTag]}, got {tag!r}") from None
+    if not out:
+        raise InvalidRequest("tags", "must name at least one memory tag")
+    return frozenset(out)
+
+
+def validate_request(
+    request: GenerateRequest,
+    capabilities: Capabilities,
+    released: Iterable[MemoryTag],
+    info: ModelInfo | None,
+) -> None:
+    """Raise UnsupportedCapability / InvalidRequest unless the engine can serve ``request`` now."""
+    if not isinstance(request, GenerateRequest):
+        raise InvalidRequest("requests", f"must be GenerateRequest objects, got {type(request).__name__}")
+    for capability in request_capabilities(request):
+        capabilities.require(capability)
+    released = frozenset(released)
+    if MemoryTag.KV_CACHE in released or MemoryTag.WEIGHTS in released:
+        raise InvalidRequest("engine_state", f"memory {sorted(released)} is released; call resume_memory() first")
+    if info is None or request.prompt_token_ids is None:
+        return
+    for i, token in enumerate(request.prompt_token_ids):
+        if token >= info.vocab_size:
+            raise InvalidRequest("prompt_token_ids", f"item {i} must be < vocab_size ({info.vocab_size}), got {token}")
+    sampling = request.sampling
+    for field, tokens in (
+        ("stop_token_ids", sampling.stop_token_ids),
+        ("logit_bias", [t for t, _ in sampling.logit_bias]),
+        ("allowed_token_ids", sampling.allowed_token_ids or ()),
+    ):
+        for token in tokens:
+            if token >= info.vocab_size:
+                raise InvalidRequest(field, f"token ids must be < vocab_size ({info.vocab_size}), got {token}")
+    if len(request.prompt_token_ids) >= info.max_model_len:
+        raise InvalidRequest(
+            "prompt_token_ids",
+            f"prompt of {len(request.prompt_token_ids)} tokens must be shorter than "
+            f"max_model_len ({info.max_model_len})",
+        )
