@@ -35,11 +35,12 @@ from rlinfer_core.weights import (
     TensorSpec,
 )
 
-from rlinfer_sglang.capabilities import capabilities, installed_platform, installed_version
+from rlinfer_sglang.capabilities import OVERLAP_NOTE, capabilities, installed_platform, installed_version
 from rlinfer_sglang.config import resolve_platform
 from rlinfer_sglang.generation import Generation
 from rlinfer_sglang.memory import Memory
 from rlinfer_sglang.supervision import Supervision
+from rlinfer_sglang.versions import TokenVersions
 
 if TYPE_CHECKING:
     from sglang.srt.entrypoints.engine import Engine
@@ -59,7 +60,10 @@ class SGLangBackend(Supervision, Generation, Memory):
         version = installed_version()
         self.engine_version = f"sglang {version}" if version else "not installed"
         self._caps = capabilities(
-            self.platform, self.engine_version, config.enable_memory_release if self.platform == "cuda" else None
+            self.platform,
+            self.engine_version,
+            config.enable_memory_release if self.platform == "cuda" else None,
+            config.tensor_parallel_size,
         )
         self._engine: Engine | None = None
         self._tm: Any = None
@@ -85,6 +89,7 @@ class SGLangBackend(Supervision, Generation, Memory):
         self._signals: dict[int, Any] = {}
         self._quit_guard = ""
         self.start_seconds: float | None = None
+        self._versions = TokenVersions()
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -113,7 +118,13 @@ class SGLangBackend(Supervision, Generation, Memory):
             max_len = self.config.max_model_len
         elif isinstance(limit, int) and 0 < limit < max_len:
             max_len = limit + 1
-        return ModelInfo(vocab_size=int(mc.vocab_size), max_model_len=max_len, eos_token_ids=tuple(eos))
+        tied = bool(getattr(getattr(mc, "hf_text_config", None) or mc.hf_config, "tie_word_embeddings", False))
+        return ModelInfo(
+            vocab_size=int(mc.vocab_size),
+            max_model_len=max_len,
+            eos_token_ids=tuple(eos),
+            tied_weights={"lm_head.weight": "model.embed_tokens.weight"} if tied else {},
+        )
 
     def _weight_specs(self) -> dict[str, TensorSpec]:
         from rlinfer_core.transfer.disk import read_specs
@@ -142,6 +153,10 @@ class SGLangBackend(Supervision, Generation, Memory):
             notes = dict(caps.notes)
             notes[Capability.CHAT.value] = "the model's tokenizer has no chat template"
             caps = attrs.evolve(caps, supported=caps.supported - {Capability.CHAT}, notes=notes)
+        overlap = not getattr(getattr(self._tm, "server_args", None), "disable_overlap_schedule", True)
+        if overlap and Capability.SAMPLING_PENALTIES in caps.supported:
+            notes = {**caps.notes, Capability.SAMPLING_PENALTIES.value: OVERLAP_NOTE}
+            caps = attrs.evolve(caps, supported=caps.supported - {Capability.SAMPLING_PENALTIES}, notes=notes)
         return caps
 
     @hookimpl

@@ -13,6 +13,7 @@ from rlinfer_core.types import Capabilities, EngineConfig, MemoryTag
 from rlinfer_core.weights import TensorSpec
 
 from rlinfer_sglang.capabilities import Platform
+from rlinfer_sglang.versions import TokenVersions
 
 if TYPE_CHECKING:
     from sglang.srt.entrypoints.engine import Engine
@@ -52,6 +53,8 @@ class BackendBase:
     _quit_guard: str
     start_seconds: float | None
     _group_name: str = ""
+    _processor_str: str = ""
+    _versions: TokenVersions
 
     def _mark_dead(self, reason: str) -> None:
         if self._dead is None:

@@ -23,7 +23,66 @@ ENGINE_REQUIREMENTS: tuple[str, ...] = ("sglang>=0.5.16,<0.6",)
 Platform = Literal["cpu", "cuda"]
 
 #: supported on every platform the backend runs on
-COMMON: frozenset[Capability] = frozenset(Capability) - {Capability.MEMORY_RELEASE, Capability.SEEDED_SAMPLING}
+COMMON: frozenset[Capability] = frozenset(
+    {
+        Capability.STREAM,
+        Capability.CHAT,
+        Capability.PROMPT_LOGPROBS,
+        Capability.TOP_LOGPROBS,
+        Capability.MULTI_SAMPLE,
+        Capability.STOP_STRINGS,
+        Capability.ABORT,
+        Capability.PAUSE_ABORT,
+        Capability.PAUSE_WAIT,
+        Capability.PAUSE_KEEP,
+        Capability.WEIGHTS_TENSORS,
+        Capability.WEIGHTS_BUCKETS,
+        Capability.WEIGHTS_DISK,
+        Capability.WEIGHTS_BROADCAST,
+        Capability.PREFIX_CACHE_RESET,
+    }
+)
+
+#: verified against an HF fp32 oracle on CPU (1e-5); on CUDA the sampler takes other kernels
+#: (flashinfer), not verified yet
+SAMPLING: frozenset[Capability] = frozenset(
+    {
+        Capability.SAMPLING_MIN_P,
+        Capability.SAMPLING_PENALTIES,
+        Capability.SAMPLING_LOGIT_BIAS,
+        Capability.LOGPROBS_RAW,
+        Capability.LOGPROBS_PROCESSED,
+    }
+)
+
+SAMPLING_NOTES = {
+    Capability.SAMPLING_MIN_P.value: "SGLang's min_p",
+    Capability.SAMPLING_PENALTIES.value: (
+        "rlinfer's logits processor in SGLang's sampler (SGLang's own repetition penalty ignores the "
+        "prompt); exact only without SGLang's overlap scheduler (off on CPU)"
+    ),
+    Capability.SAMPLING_LOGIT_BIAS.value: "rlinfer's logits processor in SGLang's sampler",
+    Capability.LOGPROBS_RAW.value: (
+        "one extra prefill scores prompt + output (SGLang reports output logprobs after processing); "
+        "computed by the weights serving when the sample ends"
+    ),
+    Capability.LOGPROBS_PROCESSED.value: (
+        "under top_k/top_p/min_p from SGLang's sampling mask (the sampled token's probability over "
+        "the support it was sampled from); SGLang applies top_p to the distribution before top_k "
+        "renormalisation (joint), which differs from vLLM's sequential order when both are set"
+    ),
+    Capability.WEIGHTS_CHECKSUM.value: (
+        "computed in the scheduler from model.named_parameters(), fused qkv/gate_up sliced back; "
+        "tensor_parallel_size=1 only (shards are not gathered)"
+    ),
+}
+
+CUDA_UNVERIFIED = "verified on CPU only; on CUDA SGLang samples with other kernels (not verified yet)"
+
+OVERLAP_NOTE = (
+    "SGLang's overlap scheduler is on: rlinfer's penalties would read output ids one token late; "
+    "start with engine_kwargs={'disable_overlap_schedule': True}"
+)
 
 SEED_NOTE = (
     "SGLang ignores per-request sampling seeds unless deterministic inference is enabled; the "
@@ -87,15 +146,22 @@ def installed_platform() -> Platform:
     return "cuda" if Path("/proc/driver/nvidia/version").exists() or Path("/dev/nvidiactl").exists() else "cpu"
 
 
-def capabilities(platform: Platform, engine_version: str, memory_release: bool | None = None) -> Capabilities:
+def capabilities(
+    platform: Platform, engine_version: str, memory_release: bool | None = None, tensor_parallel_size: int = 1
+) -> Capabilities:
     """Capabilities on ``platform``.
 
     ``memory_release``: whether the running engine was started with the memory saver; None (as
     in :func:`describe`) reports what the platform can do.
     """
     if platform == "cpu":
-        return Capabilities(BACKEND, engine_version, "cpu", COMMON, dict(CPU_NOTES))
-    notes = dict(CUDA_NOTES)
+        supported_cpu = set(COMMON | SAMPLING)
+        if tensor_parallel_size == 1:
+            supported_cpu.add(Capability.WEIGHTS_CHECKSUM)
+        return Capabilities(BACKEND, engine_version, "cpu", frozenset(supported_cpu), {**CPU_NOTES, **SAMPLING_NOTES})
+    notes = {**CUDA_NOTES, **SAMPLING_NOTES}
+    for capability in (*SAMPLING, Capability.WEIGHTS_CHECKSUM):
+        notes[capability.value] = f"{CUDA_UNVERIFIED}; on CPU: {notes[capability.value]}"
     supported = set(COMMON)
     if memory_release is False:
         notes[Capability.MEMORY_RELEASE.value] = MEMORY_RELEASE_OFF_NOTE

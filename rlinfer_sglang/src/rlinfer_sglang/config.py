@@ -120,7 +120,14 @@ def server_args(config: EngineConfig, platform: Platform) -> dict[str, Any]:
         "dp_size": config.data_parallel_size,
         "log_level": "error",
         "custom_weight_loader": [WEIGHT_LOADER],
+        # rlinfer's logits processor (penalties, logit_bias, allowed_token_ids; see logits.py)
+        "enable_custom_logit_processor": True,
     }
+    vocab = (_hf_config(config.model) or {}).get("vocab_size")
+    if isinstance(vocab, int) and vocab > 0:
+        # SGLang aborts a request whose sampling support is larger than this; the whole
+        # vocabulary fits, so truncated processed logprobs never abort a request
+        args["sampling_mask_max_tokens"] = vocab
     if config.max_model_len is not None:
         args["context_length"] = config.max_model_len + CONTEXT_RESERVE
     if config.max_num_seqs is not None:
@@ -145,6 +152,9 @@ def server_args(config: EngineConfig, platform: Platform) -> dict[str, Any]:
             attention_backend="torch_native",
             sampling_backend="pytorch",
             disable_cuda_graph=True,
+            # the overlap scheduler runs the next step before output_ids holds the last token,
+            # which rlinfer's penalties read (see logits.py); little to gain on CPU anyway
+            disable_overlap_schedule=True,
         )
         if "max_total_tokens" not in args and "mem_fraction_static" not in args:
             args["mem_fraction_static"] = CPU_DEFAULT_MEM_FRACTION

@@ -5,12 +5,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rlinfer_core.types import Completion, CompletionDelta, FinishReason, GenerateRequest
+from rlinfer_core.types import Completion, CompletionDelta, FinishReason, GenerateRequest, LogprobsMode
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
 
-def sampling_params(request: GenerateRequest, prompt_len: int, max_model_len: int) -> dict[str, Any]:
+def sampling_params(
+    request: GenerateRequest, prompt_len: int, max_model_len: int, vocab_size: int | None = None
+) -> dict[str, Any]:
     """SGLang sampling parameters for one sample of ``request``.
 
     ``max_tokens`` is clipped to the room left in the context, so a long prompt ends with
@@ -31,7 +33,40 @@ def sampling_params(request: GenerateRequest, prompt_len: int, max_model_len: in
         params["stop_token_ids"] = list(s.stop_token_ids)
     if s.stop:
         params["stop"] = list(s.stop)
+    if s.min_p > 0.0:
+        params["min_p"] = s.min_p
+    if renormalises(request) and vocab_size:
+        # SGLang's sampling mask needs a finite top_k; the vocabulary size truncates nothing
+        params["top_k"] = vocab_size if s.top_k < 1 else min(s.top_k, vocab_size)
+    custom = custom_params(request)
+    if custom:
+        params["custom_params"] = custom
     return params
+
+
+def custom_params(request: GenerateRequest) -> dict[str, Any]:
+    """Parameters of rlinfer's logits processor (:mod:`rlinfer_sglang.logits`); {} when unused."""
+    s = request.sampling
+    out: dict[str, Any] = {}
+    if s.repetition_penalty != 1.0:
+        out["rlinfer_rep"] = s.repetition_penalty
+    if s.presence_penalty:
+        out["rlinfer_presence"] = s.presence_penalty
+    if s.frequency_penalty:
+        out["rlinfer_frequency"] = s.frequency_penalty
+    if s.logit_bias:
+        out["rlinfer_bias_ids"] = [t for t, _ in s.logit_bias]
+        out["rlinfer_bias"] = [float(b) for _, b in s.logit_bias]
+    if s.allowed_token_ids is not None:
+        out["rlinfer_allowed"] = list(s.allowed_token_ids)
+    return out
+
+
+def renormalises(request: GenerateRequest) -> bool:
+    """True when the processed logprobs must be renormalised after truncation (SGLang's
+    ``return_sampling_mask`` gives the sampled token's logprob in the truncated distribution)."""
+    s = request.sampling
+    return s.logprobs_mode is LogprobsMode.PROCESSED and not s.greedy and s.truncates
 
 
 def stop_cut(request: GenerateRequest, tokens: Sequence[int]) -> int | None:
@@ -50,14 +85,39 @@ def stop_cut(request: GenerateRequest, tokens: Sequence[int]) -> int | None:
     return None
 
 
-def logprob_args(request: GenerateRequest) -> dict[str, Any]:
-    """``async_generate`` keyword arguments for the logprobs ``request`` needs."""
+def logprob_args(request: GenerateRequest, processor: str | None = None) -> dict[str, Any]:
+    """``GenerateReqInput`` keyword arguments for the logprobs and processing ``request`` needs.
+
+    ``processor``: the serialized rlinfer logits processor, used when the request needs it.
+    """
     s = request.sampling
-    return {
+    args: dict[str, Any] = {
         "return_logprob": True,
         "logprob_start_len": 0 if s.prompt_logprobs else -1,
         "top_logprobs_num": s.logprobs,
+        "custom_logit_processor": processor if custom_params(request) else None,
+        "return_sampling_mask": renormalises(request),
     }
+    return args
+
+
+def renormalise(meta: Mapping[str, Any], logprobs: list[float], top: list[dict[int, float]] | None) -> None:
+    """Turn SGLang's temperature-scaled logprobs into logprobs of the truncated distribution.
+
+    SGLang's selected-mode sampling mask gives, per token, the support it sampled from and
+    ``log(p / mass)`` of the sampled token; every top entry shifts by the same ``-log(mass)``
+    and entries outside the support are dropped. In place.
+    """
+    masks = meta.get("output_token_sampling_mask") or ()
+    selected = meta.get("output_token_sampling_logprobs") or ()
+    for i, (support, value) in enumerate(zip(masks, selected, strict=False)):
+        if i >= len(logprobs):
+            break
+        shift = float(value) - logprobs[i]
+        logprobs[i] = float(value)
+        if top is not None and i < len(top):
+            keep = set(support)
+            top[i] = {t: lp + shift for t, lp in top[i].items() if t in keep}
 
 
 def finish(meta: Mapping[str, Any], request: GenerateRequest) -> tuple[FinishReason | None, int | str | None]:
@@ -104,6 +164,10 @@ def completion(
         if prompt_lps:
             prompt_lps = (None, *prompt_lps[1:])
     top = _top(meta.get("output_top_logprobs"))[: len(tokens)] if s.logprobs else None  # type: ignore[index]
+    if renormalises(request):
+        lps, tops = list(logprobs), None if top is None else [dict(t) for t in top]
+        renormalise(meta, lps, tops)
+        logprobs, top = tuple(lps), None if tops is None else tuple(tops)
     cut = stop_cut(request, tokens)
     if cut is not None and (cut < len(tokens) or reason is not FinishReason.ABORT):
         tokens, logprobs, reason, stop_reason = tokens[:cut], logprobs[:cut], FinishReason.STOP, tokens[cut - 1]
@@ -145,6 +209,8 @@ def delta(
     meta = out.get("meta_info") or {}
     tokens = [int(t) for t in out.get("output_ids") or ()]
     logprobs = token_logprobs(meta)
+    if renormalises(request):
+        renormalise(meta, logprobs, None)
     reason, stop_reason = finish(meta, request)
     cut = stop_cut(request, tokens)
     if cut is not None:

@@ -8,12 +8,14 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any
 
+import attrs
 from rlinfer_core.errors import InvalidRequest, RLInferError
 from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.types import (
     Completion,
     CompletionDelta,
     GenerateRequest,
+    LogprobsMode,
 )
 
 from rlinfer_sglang import convert
@@ -62,7 +64,7 @@ class Generation(InFlight):
         rids = [uuid.uuid4().hex if ok else "" for ok in admitted]
         for (r, _, _), rid in zip(samples, rids, strict=True):
             if rid:
-                self._rids.setdefault(r.request_id, set()).add(rid)
+                self._track(r.request_id, rid)
         live = [k for k, rid in enumerate(rids) if rid]
         outs: dict[int, Any] = {}
         try:
@@ -89,31 +91,76 @@ class Generation(InFlight):
                 if r.request_id not in self._rids:
                     self._aborted.discard(r.request_id)
         latency = time.perf_counter() - started
-        return [
-            convert.completion(r, i, ids, outs[k], latency)
-            if k in outs
-            else convert.aborted_before_output(r, i, ids, latency)
-            for k, (r, i, ids) in enumerate(samples)
-        ]
+        completions = []
+        for k, (r, i, ids) in enumerate(samples):
+            if k in outs:
+                c = convert.completion(r, i, ids, outs[k], latency)
+                c = attrs.evolve(c, token_versions=self._versions.of(rids[k], len(c.token_ids)))
+                if r.sampling.logprobs_mode is LogprobsMode.RAW and c.token_ids:
+                    lps, top = await self._raw_logprobs(ids, list(c.token_ids), 0, r.sampling.logprobs)
+                    c = attrs.evolve(c, logprobs=lps, top_logprobs=top if r.sampling.logprobs else c.top_logprobs)
+            else:
+                c = convert.aborted_before_output(r, i, ids, latency)
+            completions.append(c)
+        for rid in rids:
+            self._versions.forget(rid)
+        return completions
 
     def _tm_generate_batch(self, samples: list[tuple[GenerateRequest, int, list[int]]], rids: list[str]) -> Any:
         from sglang.srt.managers.io_struct import GenerateReqInput
 
         if len(samples) == 1:
             (request, _, ids), rid = samples[0], rids[0]
-            return self._wrap_one(
-                self._tm_generate(ids, convert.sampling_params(request, len(ids), self._max_len()), rid, request)
-            )
-        args = [convert.logprob_args(r) for r, _, _ in samples]
+            return self._wrap_one(self._tm_generate(ids, self._params(request, ids), rid, request))
+        args = [convert.logprob_args(r, self._processor()) for r, _, _ in samples]
         obj = GenerateReqInput(
             input_ids=[ids for _, _, ids in samples],
-            sampling_params=[convert.sampling_params(r, len(ids), self._max_len()) for r, _, ids in samples],
+            sampling_params=[self._params(r, ids) for r, _, ids in samples],
             rid=rids,
-            return_logprob=[a["return_logprob"] for a in args],
-            logprob_start_len=[a["logprob_start_len"] for a in args],
-            top_logprobs_num=[a["top_logprobs_num"] for a in args],
+            **{key: [a[key] for a in args] for key in args[0]},
         )
         return self._tm.generate_request(obj, None).__anext__()
+
+    async def _raw_logprobs(
+        self, prompt: list[int], tokens: list[int], start: int, top: int
+    ) -> tuple[tuple[float, ...], tuple[dict[int, float], ...]]:
+        """``log_softmax`` of the raw logits for ``tokens[start:]`` (and their top ``top``).
+
+        SGLang reports output logprobs after its processing, so raw ones come from scoring
+        ``prompt + tokens`` in one prefill: its input-token logprobs are ``log_softmax`` of the
+        model's raw logits (computed by the weights serving now).
+        """
+        from sglang.srt.managers.io_struct import GenerateReqInput
+
+        obj = GenerateReqInput(
+            input_ids=prompt + tokens,
+            sampling_params={"max_new_tokens": 0, "temperature": 0.0},
+            rid=uuid.uuid4().hex,
+            return_logprob=True,
+            logprob_start_len=len(prompt) + start,
+            top_logprobs_num=top,
+        )
+        out = await self._guard(self._tm.generate_request(obj, None).__anext__())
+        meta = out.get("meta_info") or {}
+        want = len(tokens) - start
+        values = [float(e[0]) for e in (meta.get("input_token_logprobs") or ())][-want:]
+        rows = meta.get("input_top_logprobs") or ()
+        tops = tuple({int(e[1]): float(e[0]) for e in row or ()} for row in rows)[-want:] if top else ()
+        if len(values) != want:
+            raise RLInferError(f"SGLang scored {len(values)} of {want} tokens for raw logprobs")
+        return tuple(values), tops
+
+    def _params(self, request: GenerateRequest, ids: list[int]) -> dict[str, Any]:
+        assert self._info is not None
+        return convert.sampling_params(request, len(ids), self._max_len(), self._info.vocab_size)
+
+    def _processor(self) -> str:
+        """SGLang's serialized form of rlinfer's logits processor (built once)."""
+        if not self._processor_str:
+            from rlinfer_sglang.logits import serialized
+
+            self._processor_str = serialized()
+        return self._processor_str
 
     @staticmethod
     async def _wrap_one(awaitable: Awaitable[Any]) -> list[Any]:
@@ -125,7 +172,11 @@ class Generation(InFlight):
         from sglang.srt.managers.io_struct import GenerateReqInput
 
         obj = GenerateReqInput(
-            input_ids=ids, sampling_params=params, rid=rid, stream=stream, **convert.logprob_args(request)
+            input_ids=ids,
+            sampling_params=params,
+            rid=rid,
+            stream=stream,
+            **convert.logprob_args(request, self._processor()),
         )
         generator = self._tm.generate_request(obj, None)
         return generator if stream else generator.__anext__()
@@ -172,8 +223,8 @@ class Generation(InFlight):
             yield CompletionDelta(request.request_id, index, (), (), FinishReason.ABORT)
             return
         rid = uuid.uuid4().hex
-        self._rids.setdefault(request.request_id, set()).add(rid)
-        params = convert.sampling_params(request, len(ids), self._max_len())
+        self._track(request.request_id, rid)
+        params = self._params(request, ids)
         seen = 0
         finished = False
         try:
@@ -183,8 +234,15 @@ class Generation(InFlight):
                     out = await self._guard(generator.__anext__())
                 except StopAsyncIteration:
                     break
+                before = seen
                 d, seen = convert.delta(request, index, out, seen)
                 if d is not None:
+                    versions = self._versions.of(rid, before + len(d.token_ids), before)
+                    d = attrs.evolve(d, token_versions=versions)
+                    if request.sampling.logprobs_mode is LogprobsMode.RAW and d.token_ids:
+                        so_far = [int(t) for t in out.get("output_ids") or ()][: before + len(d.token_ids)]
+                        lps, _ = await self._raw_logprobs(ids, so_far, before, 0)
+                        d = attrs.evolve(d, logprobs=lps)
                     finished = d.finish_reason is not None
                     if finished and not (out.get("meta_info") or {}).get("finish_reason"):
                         self._abort_rid(rid)  # rlinfer ended it (stop id under ignore_eos)
@@ -200,6 +258,7 @@ class Generation(InFlight):
             raise self._translate(exc) from exc
         finally:
             self._untrack(request.request_id, rid)
+            self._versions.forget(rid)
             self._release()
 
     # --- benchmarking --------------------------------------------------------------------------

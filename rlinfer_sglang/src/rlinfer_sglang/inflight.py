@@ -57,6 +57,10 @@ class InFlight(BackendBase):
             self._cache_dirty = True
         return admitted
 
+    def _track(self, request_id: str, rid: str) -> None:
+        self._rids.setdefault(request_id, set()).add(rid)
+        self._versions.admit(rid)
+
     def _untrack(self, request_id: str, rid: str) -> None:
         rids = self._rids.get(request_id)
         if rids is not None:

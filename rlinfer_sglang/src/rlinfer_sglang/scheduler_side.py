@@ -11,6 +11,10 @@ the model and the deserialized ``(name, tensor)`` pairs. The first pair is a con
 - ``join``: join the trainer's torch.distributed group ``group`` (rlinfer_core's own group
   builder, so both ends build the same group) as rank 1 + tensor-parallel rank.
 - ``broadcast``: receive ``specs`` from rank 0 of group ``group_name``.
+- ``checksum``: checksums of the served parameters, mapped back to the HF names ``specs``.
+
+After loading, the outcome holds ``lengths``: rid -> ``len(output_ids)`` of every request the
+scheduler holds at that moment (the per-token weight versions, see :mod:`rlinfer_sglang.versions`).
 
 Everything is read *before* any weight is loaded, and broadcast tensors (which the caller's
 facade cannot see) are checked for finite values first, so a rejected update leaves the old
@@ -24,6 +28,7 @@ the backend reads after the call.
 from __future__ import annotations
 
 import json
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -122,6 +127,75 @@ def _join(control: dict[str, Any]) -> None:
     _GROUPS[group.group_name] = create_group(group, rank=group.rank_offset + _tp_rank())
 
 
+def _scheduler() -> Any:
+    """SGLang's Scheduler object: the caller of this loader, up the stack (same thread)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        obj = frame.f_locals.get("self")
+        if obj is not None and hasattr(obj, "waiting_queue") and hasattr(obj, "running_batch"):
+            return obj
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+def output_lengths() -> dict[str, int] | None:
+    """rid -> tokens produced so far, for every request the scheduler holds (None: not found)."""
+    scheduler = _scheduler()
+    if scheduler is None:
+        return None
+    reqs = list(scheduler.waiting_queue)
+    for batch in (scheduler.running_batch, getattr(scheduler, "last_batch", None)):
+        reqs.extend(getattr(batch, "reqs", None) or ())
+    chunked = getattr(scheduler, "chunked_req", None)
+    if chunked is not None:
+        reqs.append(chunked)
+    lengths: dict[str, int] = {}
+    for req in reqs:
+        lengths[req.rid] = max(lengths.get(req.rid, 0), len(req.output_ids))
+    return lengths
+
+
+#: fused SGLang parameters and the HF parameters they hold, in order along dim 0
+_FUSED = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))
+
+
+def _served(model: Any, params: dict[str, Any], name: str, shapes: dict[str, list[int]]) -> Any:
+    """The tensor the engine serves for HF parameter ``name`` (a view), or None."""
+    tensor = params.get(name)
+    if tensor is None and name == "lm_head.weight":
+        head = getattr(model, "lm_head", None)  # tied: the embedding module itself
+        tensor = getattr(head, "weight", None)
+    if tensor is None:
+        for fused, parts in _FUSED:
+            for i, part in enumerate(parts):
+                if f".{part}." not in name:
+                    continue
+                whole = params.get(name.replace(f".{part}.", f".{fused}."))
+                sizes = [shapes.get(name.replace(f".{part}.", f".{p}."), [0])[0] for p in parts]
+                if whole is not None and all(sizes):
+                    tensor = whole.narrow(0, sum(sizes[:i]), sizes[i])
+    if tensor is None:
+        return None
+    shape = shapes[name]
+    if list(tensor.shape) != shape and tensor.dim() == len(shape) and tensor.shape[0] > shape[0]:
+        tensor = tensor.narrow(0, 0, shape[0])  # vocabulary padded by the engine
+    return tensor if list(tensor.shape) == shape else None
+
+
+def _checksums(model: Any, specs: list[list[Any]]) -> dict[str, list[Any]]:
+    from rlinfer_core.checksum import tensor_checksum
+
+    params = dict(model.named_parameters())
+    shapes = {name: list(shape) for name, shape in specs}
+    out = {}
+    for name in shapes:
+        tensor = _served(model, params, name, shapes)
+        if tensor is not None:
+            c = tensor_checksum(tensor)
+            out[name] = [c.dtype, list(c.shape), c.digest]
+    return out
+
+
 def load(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
     """SGLang custom weight loader entry point; never raises (see the module docstring)."""
     outcome: dict[str, Any] = {"ok": False, "loaded": False, "error": "no control record"}
@@ -132,6 +206,8 @@ def load(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         control = _decode_control(named_tensors[0][1])
         if control["op"] == "join":
             _join(control)
+        elif control["op"] == "checksum":
+            outcome["checksums"] = _checksums(model, control["specs"])
         else:
             started = time.perf_counter()
             tensors = _gather(model, control, list(named_tensors[1:]))
@@ -144,6 +220,7 @@ def load(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
                 # the sender frees (or reuses) its buffers once this call returns
                 torch.cuda.current_stream().synchronize()
             outcome["load_s"] = time.perf_counter() - started - outcome["map_s"]
+            outcome["lengths"] = output_lengths()
         outcome.update(ok=True, error=None)
     except Exception as exc:  # reported to the caller through the result file
         outcome["error"] = f"{type(exc).__name__}: {exc}"

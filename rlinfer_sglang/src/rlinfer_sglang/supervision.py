@@ -18,6 +18,7 @@ import os
 import shutil
 import signal
 import threading
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from rlinfer_core.errors import BackendLoadError
@@ -239,6 +240,21 @@ class Supervision(BackendBase):
     def engine_processes(self) -> list[int]:
         """Pids of the processes the engine started that are still running."""
         return [p.pid for p in processes.alive(self._procs)]
+
+    @hookimpl
+    def rlinfer_engine_processes(self) -> Mapping[str, int]:
+        """``{role: pid}`` of the engine's running processes ("scheduler", "detokenizer", ...)."""
+        roles: dict[str, int] = {}
+        for proc in processes.alive(self._procs):
+            try:
+                name = proc.name()
+            except Exception:  # exited meanwhile
+                continue
+            role = name.removeprefix("sglang::") or f"pid-{proc.pid}"
+            if role in roles:
+                role = f"{role}-{proc.pid}"
+            roles[role] = proc.pid
+        return roles
 
     def all_engine_processes(self) -> list[int]:
         """Pids of every process the engine start created (alive or not)."""

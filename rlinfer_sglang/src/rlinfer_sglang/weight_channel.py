@@ -11,13 +11,14 @@ import asyncio
 import json
 import logging
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 from rlinfer_core.errors import InvalidRequest, RLInferError, WeightUpdateError
 from rlinfer_core.hookspecs import hookimpl
+from rlinfer_core.types import Capability
 from rlinfer_core.weights import (
     BroadcastGroup,
     BroadcastSource,
@@ -32,6 +33,9 @@ from rlinfer_core.weights import (
 from rlinfer_sglang.base import BackendBase
 from rlinfer_sglang.config import WEIGHT_LOADER
 
+if TYPE_CHECKING:
+    from rlinfer_core.checksum import WeightChecksum
+
 logger = logging.getLogger(__name__)
 
 
@@ -44,9 +48,18 @@ class WeightChannel(BackendBase):
         return dict(self._specs)
 
     async def _scheduler_op(
-        self, control: dict[str, Any], tensors: Sequence[tuple[str, Any]] = (), *, flush: bool
-    ) -> None:
-        """Run rlinfer's scheduler-side loader once on every TP rank; raise on any failure."""
+        self,
+        control: dict[str, Any],
+        tensors: Sequence[tuple[str, Any]] = (),
+        *,
+        flush: bool,
+        before_send: Callable[[], None] | None = None,
+    ) -> dict[str, Any]:
+        """Run rlinfer's scheduler-side loader once on every TP rank; raise on any failure.
+
+        Returns TP rank 0's outcome. ``before_send`` runs right before the update message is
+        handed to the tokenizer manager, in the same task (no other task runs in between).
+        """
         from sglang.srt.managers import io_struct
         from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
         from sglang.srt.utils import MultiprocessingSerializer
@@ -70,7 +83,7 @@ class WeightChannel(BackendBase):
                 raise WeightUpdateError(f"SGLang refused to open a weight update: {message}")
         end_ok, end_message = True, ""
         try:
-            ok, message = (await self._guard(tm.update_weights_from_tensor(req, None)))[:2]
+            ok, message = (await self._guard(self._send_update(tm, req, before_send)))[:2]
         finally:
             if end is not None:
                 end_ok, end_message = await self._guard(tm.end_weight_update(end(), None))
@@ -95,6 +108,13 @@ class WeightChannel(BackendBase):
             self._cache_dirty = False
         if not end_ok:
             raise WeightUpdateError(f"SGLang failed to finish the weight update: {end_message}")
+        return outcomes[0]
+
+    @staticmethod
+    async def _send_update(tm: Any, req: Any, before_send: Callable[[], None] | None) -> Any:
+        if before_send is not None:
+            before_send()
+        return await tm.update_weights_from_tensor(req, None)
 
     def _outcome(self, result: Path, rank: int) -> dict[str, Any]:
         path = Path(f"{result}.{rank}")
@@ -113,25 +133,59 @@ class WeightChannel(BackendBase):
         from rlinfer_core.transfer import ipc
 
         source = update.source
+        control: dict[str, Any]
+        in_flight: list[str] = []
+        dispatched: set[str] = set()
+
+        def snapshot() -> None:
+            # samples the tokenizer manager sent before the update message (see versions.py)
+            in_flight.extend(r for rids in self._rids.values() for r in rids)
+            states = getattr(self._tm, "rid_to_state", {})
+            dispatched.update(r for r in in_flight if getattr(states.get(r), "dispatched", True))
+
         cuda_buckets = ipc.pack_cuda(source.tensors) if isinstance(source, NamedTensors) else None
         if cuda_buckets is not None:
-            await self._send_buckets(cuda_buckets)
+            outcome = await self._send_buckets(cuda_buckets, snapshot)
         elif isinstance(source, NamedTensors):
-            await self._scheduler_op({"op": "tensors"}, list(source.tensors), flush=True)
+            outcome = await self._scheduler_op(
+                {"op": "tensors"}, list(source.tensors), flush=True, before_send=snapshot
+            )
         elif isinstance(source, Buckets):
-            await self._send_buckets(source.buckets)
+            outcome = await self._send_buckets(source.buckets, snapshot)
         elif isinstance(source, CheckpointDir):
-            await self._scheduler_op({"op": "disk", "path": str(Path(source.path).resolve())}, flush=True)
+            control = {"op": "disk", "path": str(Path(source.path).resolve())}
+            outcome = await self._scheduler_op(control, flush=True, before_send=snapshot)
         elif isinstance(source, BroadcastSource):
             specs = [(s.name, s.dtype, list(s.shape)) for s in source.specs]
-            await self._scheduler_op({"op": "broadcast", "group_name": self._group_name, "specs": specs}, flush=True)
+            control = {"op": "broadcast", "group_name": self._group_name, "specs": specs}
+            outcome = await self._scheduler_op(control, flush=True, before_send=snapshot)
         else:
             raise WeightUpdateError(f"unknown weight source {type(source).__name__}")
+        version = update.version if update.version is not None else self._versions.current + 1
+        lengths = outcome.get("lengths")
+        if lengths is None:
+            logger.warning("the scheduler did not report request lengths; in-flight tokens keep the old version")
+            lengths, dispatched = {}, set(in_flight)
+        self._versions.loaded(version, in_flight, dispatched, lengths)
 
-    async def _send_buckets(self, buckets: Sequence[Bucket]) -> None:
+    async def _send_buckets(self, buckets: Sequence[Bucket], before_send: Callable[[], None]) -> dict[str, Any]:
         manifests = [attrs.asdict(b.manifest) for b in buckets]
         pairs = [(str(i), b.data) for i, b in enumerate(buckets)]
-        await self._scheduler_op({"op": "buckets", "manifests": manifests}, pairs, flush=True)
+        control = {"op": "buckets", "manifests": manifests}
+        return await self._scheduler_op(control, pairs, flush=True, before_send=before_send)
+
+    @hookimpl
+    async def rlinfer_weights_checksum(self) -> Mapping[str, WeightChecksum]:
+        """Checksums computed in the scheduler over the served parameters, by HF name."""
+        from rlinfer_core.checksum import WeightChecksum
+
+        self._caps.require(Capability.WEIGHTS_CHECKSUM)
+        specs = [[name, list(spec.shape)] for name, spec in self._specs.items()]
+        if "lm_head.weight" not in self._specs and "model.embed_tokens.weight" in self._specs:
+            specs.append(["lm_head.weight", list(self._specs["model.embed_tokens.weight"].shape)])
+        outcome = await self._scheduler_op({"op": "checksum", "specs": specs}, flush=False)
+        found = outcome["checksums"].items()
+        return {name: WeightChecksum(dtype, tuple(shape), digest) for name, (dtype, shape, digest) in found}
 
     @hookimpl
     async def rlinfer_init_weight_broadcast(self, group: BroadcastGroup) -> None:
