@@ -45,8 +45,8 @@ def check_json_schema(schema: Any, field: str = f"{FIELD}.json_schema") -> Mappi
             raise InvalidRequest(field, f"must be a JSON schema (a dict or its JSON text): {exc}") from None
     if not isinstance(schema, Mapping | bool):
         raise InvalidRequest(field, f"must be a JSON schema object, got {type(schema).__name__}")
-    import jsonschema
-    import jsonschema.exceptions
+    import jsonschema  # type: ignore[import-untyped]
+    import jsonschema.exceptions  # type: ignore[import-untyped]
 
     try:
         cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
@@ -69,6 +69,13 @@ def _freeze(value: Any) -> Any:
     return value
 
 
+def _to_kind(value: Any) -> StructuredKind:
+    try:
+        return StructuredKind(value)
+    except ValueError:
+        raise InvalidRequest(FIELD, f"kind must be one of {[k.value for k in StructuredKind]}, got {value!r}") from None
+
+
 @attrs.frozen
 class StructuredOutput:
     """One constraint on the generated text. Build it with :meth:`json`, :meth:`regex` or
@@ -80,7 +87,7 @@ class StructuredOutput:
     tuple of choices.
     """
 
-    kind: StructuredKind = attrs.field(converter=lambda k: _to_kind(k))
+    kind: StructuredKind = attrs.field(converter=_to_kind)
     value: Any = attrs.field(eq=False)
     #: canonical JSON of ``value`` (what equality and hashing use)
     key: str = attrs.field(init=False)
@@ -121,7 +128,7 @@ class StructuredOutput:
             return text in self.value
         if self.kind is StructuredKind.REGEX:
             return re.fullmatch(self.value, text) is not None
-        import jsonschema
+        import jsonschema  # type: ignore[import-untyped]
 
         try:
             document = json.loads(text)
@@ -129,13 +136,6 @@ class StructuredOutput:
             return False
         validator = jsonschema.validators.validator_for(self.value, default=jsonschema.Draft202012Validator)
         return bool(validator(self.value).is_valid(document))
-
-
-def _to_kind(value: Any) -> StructuredKind:
-    try:
-        return StructuredKind(value)
-    except ValueError:
-        raise InvalidRequest(FIELD, f"kind must be one of {[k.value for k in StructuredKind]}, got {value!r}") from None
 
 
 def check_regex(pattern: Any) -> str:

@@ -33,9 +33,17 @@ Reinforcement learning from verifiable rewards: the reward is 1 when the answer 
 abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ .,;:!?'"()[]{}<>+-*/=_#@%&
 """
 
+#: without tools and tool calls this renders exactly as the first template did; ``tools`` add a
+#: system turn listing them, an assistant message's ``tool_calls`` render in the hermes format
 CHAT_TEMPLATE = (
+    "{% if tools %}<|system|>You may call these tools, one call per <tool_call></tool_call>: "
+    "{{ tools | tojson }}<|end|>{% endif %}"
     "{% for message in messages %}"
-    "<|{{ message['role'] }}|>{{ message['content'] }}<|end|>"
+    "<|{{ message['role'] }}|>{{ message['content'] }}"
+    "{% for call in message.get('tool_calls') or [] %}"
+    '<tool_call>{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}</tool_call>'
+    "{% endfor %}"
+    "<|end|>"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
