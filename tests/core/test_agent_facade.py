@@ -216,7 +216,7 @@ def test_raw_token_session(tiny: Path) -> None:
             chat.add_tokens([1])
         fork = chat.fork()
         await fork.generate(SamplingParams(max_tokens=2))
-        assert len(chat.token_ids) < len(fork.token_ids) and not chat.turns[-1].kind == "model"
+        assert len(chat.token_ids) < len(fork.token_ids) and chat.turns[-1].kind != "model"
         await engine.shutdown()
 
     run(body())

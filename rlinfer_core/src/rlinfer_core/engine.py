@@ -18,8 +18,10 @@ from typing import Any
 
 import attrs
 
+from rlinfer_core.agent import attach_tool_calls, derive_capabilities
 from rlinfer_core.backend import StreamingBackend, claimed_but_missing, present
 from rlinfer_core.discovery import get_backend, plugin_objects
+from rlinfer_core.engine_agent import EngineAgent
 from rlinfer_core.engine_weights import EngineWeights
 from rlinfer_core.errors import BackendLoadError, InvalidRequest
 from rlinfer_core.preflight import (
@@ -40,7 +42,7 @@ from rlinfer_core.types import (
 )
 
 
-class AsyncEngine(EngineWeights):
+class AsyncEngine(EngineAgent, EngineWeights):
     """One running engine behind the rlinfer contract. Build it with :meth:`open`.
 
     Its parts: :class:`~rlinfer_core.engine_base.EngineBase` (state, timeouts),
@@ -76,7 +78,7 @@ class AsyncEngine(EngineWeights):
         started = time.perf_counter()
         try:
             await engine._with_timeout(engine._backend.rlinfer_start(config), config.startup_timeout_s, "start")
-            engine.capabilities = engine._backend.rlinfer_capabilities()
+            engine.capabilities = derive_capabilities(engine._backend.rlinfer_capabilities())
             engine.model_info = engine._backend.rlinfer_model_info()
             dishonest = claimed_but_missing(engine._backend, engine.capabilities.supported)
             if dishonest:
@@ -137,7 +139,7 @@ class AsyncEngine(EngineWeights):
                 "generate",
                 on_timeout=lambda: self._abort_quietly(ids),
             )
-        stamped = [self._stamp(c) for c in completions]
+        stamped = await attach_tool_calls(self, batch, [self._stamp(c) for c in completions])
         self._observers.emit(
             "rlinfer_on_generate_done",
             backend=self.backend_name,

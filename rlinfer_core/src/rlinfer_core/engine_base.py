@@ -12,6 +12,7 @@ import pluggy
 
 from rlinfer_core import hookspecs
 from rlinfer_core.admission import Admission
+from rlinfer_core.agent import check_agent_request, derive_capabilities
 from rlinfer_core.backend import (
     AbortingBackend,
     Backend,
@@ -71,7 +72,7 @@ class EngineBase:
         self._released: set[MemoryTag] = set()
         self._weight_lock = asyncio.Lock()
         self._closed = False
-        self.capabilities: Capabilities = self._backend.rlinfer_capabilities()
+        self.capabilities: Capabilities = derive_capabilities(self._backend.rlinfer_capabilities())
         self.model_info: ModelInfo | None = None
         self._weight_specs: Mapping[str, TensorSpec] | None = None
 
@@ -100,6 +101,7 @@ class EngineBase:
     def _validate_request(self, request: GenerateRequest) -> None:
         self._ensure_open()
         validate_request(request, self.capabilities, self._released, self.model_info)
+        check_agent_request(self, request)  # tools, structured, lora (rlinfer_core.agent)
 
     # --- plumbing ------------------------------------------------------------------------------
 

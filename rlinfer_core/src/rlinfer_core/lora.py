@@ -26,7 +26,7 @@ from rlinfer_core.errors import InvalidRequest, UnsupportedCapability
 from rlinfer_core.types import Capability
 
 if TYPE_CHECKING:
-    from rlinfer_core.engine import AsyncEngine
+    from rlinfer_core.engine_base import EngineBase as AsyncEngine
     from rlinfer_core.types import GenerateRequest
 
 #: tensor names of a PEFT LoRA adapter end with one of these

@@ -20,7 +20,11 @@ from rlinfer_core.types import (
 if TYPE_CHECKING:
     from rlinfer_core.checksum import WeightChecksum, WeightVerification
     from rlinfer_core.engine import AsyncEngine
+    from rlinfer_core.lora import LoraAdapter, LoraInfo
     from rlinfer_core.model_info import ModelInfo
+    from rlinfer_core.scoring import Score, ScoreRequest
+    from rlinfer_core.session import Session
+    from rlinfer_core.tools import ToolCalls
     from rlinfer_core.weights import BroadcastGroup, TensorSpec, WeightSource, WeightUpdate
 
 T = TypeVar("T")
@@ -159,6 +163,38 @@ class Engine:
     def check_health(self) -> None:
         """See :meth:`AsyncEngine.check_health`."""
         self._run(self.async_engine.check_health())
+
+    # --- agent rollouts (rlinfer_core.engine_agent) ----------------------------------------------
+
+    def session(self, messages: Sequence[Mapping[str, Any]] | None = None, **kwargs: Any) -> Session:
+        """See :meth:`AsyncEngine.session`; model turns block like :meth:`generate`."""
+        from rlinfer_core.session import Session
+
+        return Session(self, self.async_engine.session(messages, **kwargs))
+
+    def score(self, requests: ScoreRequest | Sequence[ScoreRequest]) -> list[Score]:
+        """See :meth:`AsyncEngine.score`."""
+        return self._run(self.async_engine.score(requests))
+
+    def parse_tool_calls(self, text: str, parser: str, tools: Any = None) -> ToolCalls:
+        """See :meth:`AsyncEngine.parse_tool_calls`."""
+        return self._run(self.async_engine.parse_tool_calls(text, parser, tools))
+
+    def load_lora(self, adapter: LoraAdapter) -> LoraInfo:
+        """See :meth:`AsyncEngine.load_lora`."""
+        return self._run(self.async_engine.load_lora(adapter))
+
+    def update_lora(self, adapter: LoraAdapter) -> LoraInfo:
+        """See :meth:`AsyncEngine.update_lora`."""
+        return self._run(self.async_engine.update_lora(adapter))
+
+    def unload_lora(self, name: str) -> None:
+        """See :meth:`AsyncEngine.unload_lora`."""
+        self._run(self.async_engine.unload_lora(name))
+
+    def list_loras(self) -> list[LoraInfo]:
+        """See :meth:`AsyncEngine.list_loras`."""
+        return self._run(self.async_engine.list_loras())
 
     def shutdown(self) -> None:
         """Stop the engine and the loop thread. Safe to call twice."""

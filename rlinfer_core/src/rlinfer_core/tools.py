@@ -129,7 +129,7 @@ class ToolCalls:
 def check_calls(found: ToolCalls, tools: Sequence[ToolSpec]) -> ToolCalls:
     """Mark calls of unknown tools and calls whose arguments break the tool's schema as malformed
     (engine parsers check only the syntax). Engine-agnostic, done by the facade."""
-    import jsonschema
+    import jsonschema  # type: ignore[import-untyped]
 
     by_name = {t.name: t for t in tools}
     out = []
