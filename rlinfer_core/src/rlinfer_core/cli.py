@@ -87,7 +87,9 @@ def backends_report() -> dict[str, Any]:
         try:
             dist, version = info.engine_version()
             row.update(engine=dist, engine_version=version, usable=True)
-            row["capabilities"] = info.describe().to_dict()
+            from rlinfer_core.agent import derive_capabilities  # sessions, score: built by the facade
+
+            row["capabilities"] = derive_capabilities(info.describe()).to_dict()
         except RLInferError as exc:
             row.update(usable=False, error=str(exc))
         except Exception as exc:  # a backend's describe() must not break the listing
