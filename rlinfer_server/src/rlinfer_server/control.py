@@ -11,6 +11,7 @@ from rlinfer_core.errors import InvalidRequest, WeightUpdateError
 from rlinfer_core.weights import BroadcastGroup, BroadcastSource, CheckpointDir, TensorSpec, WeightUpdate
 
 from rlinfer_server.app import ServerState
+from rlinfer_server.errors import HTTPError
 from rlinfer_server.schemas import AbortBody, BroadcastGroupBody, EmptyBody, MemoryBody, PauseBody, UpdateWeightsBody
 
 router = APIRouter(prefix="/control")
@@ -40,6 +41,12 @@ async def update_weights(body: UpdateWeightsBody, request: Request) -> dict[str,
     """Load new weights, all or nothing; answers the new version."""
     state = _state(request)
     source = _source(body)
+    engine = state.engine
+    if body.version is not None and body.version <= engine.weight_version:
+        message = f"version {body.version} must be greater than the current version {engine.weight_version}"
+        raise HTTPError(409, message, "version", "conflict")
+    if "weights" in {str(t) for t in engine.released}:
+        raise HTTPError(409, "weights are released; POST /control/resume_memory first", "engine_state", "conflict")
     started = time.perf_counter()
     try:
         version = await state.engine.update_weights(WeightUpdate(source, version=body.version))

@@ -43,9 +43,10 @@ def error_body(message: str, kind: str, param: str | None = None, code: str | No
 def status_of(exc: BaseException, control: bool = False) -> tuple[int, str, str | None]:
     """(HTTP status, error type, param) of an rlinfer error.
 
-    UnsupportedCapability is 400 on generation (the request asked for it) and 501 on control (the
-    operation itself is unavailable here). WeightUpdateError is 422 when the update itself was
-    invalid (problems listed) and 409 when the engine's state refused it (version, released memory).
+        UnsupportedCapability is 400 on generation (the request asked for it) and 501 on control (the
+        operation itself is unavailable here). WeightUpdateError is 422 when the update itself was
+        invalid (the checkpoint, its tensors or the transport); the control routes answer 409 themselves
+    for state conflicts (a version not above the current one, released weights).
     """
     if isinstance(exc, InvalidRequest):
         return 400, "invalid_request_error", exc.field
@@ -56,7 +57,7 @@ def status_of(exc: BaseException, control: bool = False) -> tuple[int, str, str 
     if isinstance(exc, EngineDead):
         return 503, "engine_dead", None
     if isinstance(exc, WeightUpdateError):
-        return (422 if exc.problems else 409), "weight_update_error", None
+        return 422, "weight_update_error", None
     if isinstance(exc, BackendNotFound | BackendLoadError):
         return 500, "backend_error", None
     if isinstance(exc, RLInferError):
