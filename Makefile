@@ -8,7 +8,7 @@ VENVS := .venvs
 DEMO_BACKEND ?= vllm
 DEMO_OUT ?= out/demo
 
-.PHONY: env-core env-vllm env-sglang envs demo test lint typecheck test-core test-vllm test-sglang test-ray clean-envs
+.PHONY: env-core env-vllm env-sglang envs demo test lint typecheck test-core test-vllm test-sglang test-ray test-server clean-envs
 
 env-core: $(VENVS)/core/.built
 env-vllm: $(VENVS)/vllm/.built
@@ -49,7 +49,11 @@ test-ray: env-vllm env-sglang
 	$(VENVS)/vllm/bin/python -m pytest tests/backends/test_vllm_conformance.py -q --rlinfer-backend vllm --rlinfer-replicas 2 --rlinfer-report out/conformance-vllm-pool.json
 	$(VENVS)/sglang/bin/python -m pytest tests/backends/test_sglang_conformance.py -q --rlinfer-backend sglang --rlinfer-replicas 2 --rlinfer-report out/conformance-sglang-pool.json
 
-test: lint typecheck test-core test-vllm test-sglang test-ray
+# rlinfer serve with real clients (openai, httpx, hypothesis) over one vLLM CPU server (~5 min)
+test-server: env-vllm
+	timeout 1500 $(VENVS)/vllm/bin/python -m pytest tests/server -q -p no:cacheprovider
+
+test: lint typecheck test-core test-vllm test-sglang test-ray test-server
 
 clean-envs:
 	rm -rf $(VENVS)
