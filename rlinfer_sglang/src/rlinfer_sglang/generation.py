@@ -137,15 +137,15 @@ class Generation(InFlight):
             sampling_params={"max_new_tokens": 0, "temperature": 0.0},
             rid=uuid.uuid4().hex,
             return_logprob=True,
-            logprob_start_len=len(prompt) + start,
+            logprob_start_len=len(prompt) + start - 1,  # SGLang leaves the first position out
             top_logprobs_num=top,
         )
         out = await self._guard(self._tm.generate_request(obj, None).__anext__())
         meta = out.get("meta_info") or {}
         want = len(tokens) - start
-        values = [float(e[0]) for e in (meta.get("input_token_logprobs") or ())][-want:]
-        rows = meta.get("input_top_logprobs") or ()
-        tops = tuple({int(e[1]): float(e[0]) for e in row or ()} for row in rows)[-want:] if top else ()
+        values = [float(e[0]) for e in list(meta.get("input_token_logprobs") or ())[-want:]]
+        rows = list(meta.get("input_top_logprobs") or ())[-want:]
+        tops = tuple({int(e[1]): float(e[0]) for e in row or ()} for row in rows) if top else ()
         if len(values) != want:
             raise RLInferError(f"SGLang scored {len(values)} of {want} tokens for raw logprobs")
         return tuple(values), tops
