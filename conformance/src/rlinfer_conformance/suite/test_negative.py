@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 from rlinfer_core.errors import UnsupportedCapability
+from rlinfer_core.scoring import ScoreRequest
 from rlinfer_core.types import (
     Capability,
     ChatMessage,
@@ -36,6 +37,12 @@ def _broadcast(w: KitWorld) -> Any:
     return w.engine.update_weights(BroadcastSource(specs_of(w.oracle.named_parameters(BASE))))
 
 
+def _bench(w: KitWorld) -> Any:
+    with pytest.raises(UnsupportedCapability):
+        w.run_async(w.engine.async_engine.bench_raw_weight_update(str(w.oracle.model_dir(BASE))))
+    return w.run_async(w.engine.async_engine.bench_raw_generate([GenerateRequest(prompt_token_ids=[1, 2])]))
+
+
 PROBES: dict[Capability, Callable[[KitWorld], Any]] = {
     Capability.STREAM: _stream,
     Capability.CHAT: lambda w: w.engine.generate([GenerateRequest(messages=[ChatMessage("user", "hello")])]),
@@ -60,6 +67,12 @@ PROBES: dict[Capability, Callable[[KitWorld], Any]] = {
     Capability.SAMPLING_LOGIT_BIAS: _gen(logit_bias={3: 1.0}),
     Capability.LOGPROBS_RAW: _gen(logprobs_mode="raw"),
     Capability.LOGPROBS_PROCESSED: _gen(temperature=1.0, top_p=0.5),
+    Capability.BENCH: _bench,
+    Capability.SESSIONS: lambda w: w.engine.session([{"role": "user", "content": "hello"}]),
+    Capability.SCORE: lambda w: w.engine.score([ScoreRequest([1, 2], [3])]),
+    Capability.TOOLS: lambda w: w.engine.generate([GenerateRequest(prompt_token_ids=[1, 2], tool_parser="hermes")]),
+    Capability.STRUCTURED: _gen(structured={"choice": ["a", "b"]}),
+    Capability.LORA: lambda w: w.engine.list_loras(),
 }
 
 
