@@ -7,6 +7,8 @@
 #   - conformance: the conformance kit                                         -> $OUT/conformance-E.{json,log}
 #   - bench:       `rlinfer bench` (rlinfer vs raw engine) on that model        -> $OUT/bench-E.{json,log}
 #   - weightsync:  bench/gpu/weight_sync_bench.py (CUDA-IPC GB/s, release/resume) -> $OUT/weightsync-E.{json,log}
+#   - phase:       bench/gpu/phase_switch_bench.py (release -> train -> resume -> update -> first token)
+#                                                                                -> $OUT/phase-E.{json,log}
 # A run call is limited to 600 s and an engine start takes ~1.5 min on the GPU, so pass one or
 # two steps per call (docs/gpu.md has the sequence). Per-step time limits: RLINFER_GPU_TIMEOUT
 # (seconds, default 540). Extra args: RLINFER_GPU_PYTEST_ARGS (kit), RLINFER_GPU_BENCH_ARGS
@@ -89,6 +91,10 @@ for s in "${STEPS[@]}"; do
       step weightsync "$OUT/weightsync-$ENGINE.log" python3 bench/gpu/weight_sync_bench.py \
         --backend "$ENGINE" --model "$MODEL" --json-out "$OUT/weightsync-$ENGINE.json" \
         "${ENGINE_ARGS[@]}" ${RLINFER_GPU_WEIGHTSYNC_ARGS:-}
+      ;;
+    phase)
+      step phase "$OUT/phase-$ENGINE.log" python3 bench/gpu/phase_switch_bench.py \
+        --backend "$ENGINE" --model "$MODEL" --json-out "$OUT/phase-$ENGINE.json" "${ENGINE_ARGS[@]}"
       ;;
     *)
       echo "run_suite: unknown step '$s'" >&2
