@@ -21,16 +21,16 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import platform
-import statistics
 import sys
 import traceback
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from weight_sync_bench import GIB, load_weight_sets, memory_snapshot, stats, timed  # noqa: E402
+from weight_sync_bench import GIB, load_weight_sets, memory_snapshot, stats, timed
 
 PHASES = ("release_s", "train_stand_in_s", "resume_weights_s", "update_weights_s", "resume_kv_cache_s", "first_token_s")
 
@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             cycle["train_stand_in_s"], filled = timed(lambda: stand_in_train_step(args.fill))
             cycle["filled_gib"] = filled["filled_gib"]
             cycle["resume_weights_s"], _ = timed(lambda: engine.resume_memory(["weights"]))
-            cycle["update_weights_s"], _ = timed(lambda: engine.update_weights(weights))
+            cycle["update_weights_s"], _ = timed(functools.partial(engine.update_weights, weights))
             cycle["resume_kv_cache_s"], _ = timed(lambda: engine.resume_memory(["kv_cache"]))
             cycle["first_token_s"], _ = timed(lambda: engine.generate([first]))
             cycle["switch_s"] = sum(cycle[p] for p in PHASES if p != "train_stand_in_s")
@@ -128,9 +128,8 @@ def summary(result: dict[str, Any]) -> str:
     for key, value in phases.items():
         unit = "GiB" if key.endswith("gib") else "ms"
         scale = 1.0 if unit == "GiB" else 1e3
-        rows.append(
-            f"  {key:<20} {value['median'] * scale:9.1f} {unit} (min {value['min'] * scale:.1f}, max {value['max'] * scale:.1f})"
-        )
+        low, high = value["min"] * scale, value["max"] * scale
+        rows.append(f"  {key:<20} {value['median'] * scale:9.1f} {unit} (min {low:.1f}, max {high:.1f})")
     return "\n".join(rows + [f"ERROR {e}" for e in result.get("errors", [])])
 
 
