@@ -389,6 +389,24 @@ class Capabilities:
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 
+def _check_server_url(_inst: Any, _attribute: Any, value: Any) -> None:
+    if value is None:
+        return
+    from urllib.parse import urlsplit
+
+    if not isinstance(value, str):
+        raise InvalidRequest("server_url", f"must be an http(s)://host:port URL or None, got {value!r}")
+    try:
+        parts = urlsplit(value)
+        port = parts.port
+    except ValueError:
+        port, parts = None, None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or port is None:
+        raise InvalidRequest("server_url", f"must be an http(s)://host:port URL, got {value!r}")
+    if parts.path.strip("/") or parts.query or parts.fragment:
+        raise InvalidRequest("server_url", f"must name the server only (no path or query), got {value!r}")
+
+
 @attrs.frozen
 class EngineConfig:
     """One schema for every engine; each backend maps it onto its engine's own arguments.
@@ -424,10 +442,23 @@ class EngineConfig:
     request_timeout_s: float = attrs.field(default=300.0, validator=v.in_range(0.0, 86400.0, low_open=True))
     startup_timeout_s: float = attrs.field(default=900.0, validator=v.in_range(0.0, 86400.0, low_open=True))
     engine_kwargs: Mapping[str, Any] = attrs.field(factory=dict)
+    #: "inprocess": the engine client lives in the caller's process (the engine's own worker
+    #: processes are its children). "server": the backend launches the engine's real HTTP server
+    #: (``vllm serve``, ``sglang.launch_server``) as a child process on 127.0.0.1 with a free port
+    #: and implements every operation over HTTP; backends without a server flavour refuse it
+    mode: Literal["inprocess", "server"] = attrs.field(default="inprocess", validator=v.one_of("inprocess", "server"))
+    #: attach to an engine server someone else started (``http://host:port``); implies
+    #: mode="server". Shutdown then leaves that server running, and engine_processes reports none
+    server_url: str | None = attrs.field(default=None, validator=_check_server_url)
 
     def __attrs_post_init__(self) -> None:
         if not self.model:
             raise InvalidRequest("model", "must be a model directory or name, got ''")
+
+    @property
+    def server_mode(self) -> bool:
+        """True when the engine is driven over HTTP (``mode="server"`` or a ``server_url``)."""
+        return self.mode == "server" or self.server_url is not None
 
     @classmethod
     def from_file(cls, path: str, **overrides: Any) -> EngineConfig:
