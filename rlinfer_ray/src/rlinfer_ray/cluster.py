@@ -12,7 +12,6 @@ from typing import Any
 
 from rlinfer_core.errors import EngineTimeout
 from rlinfer_core.types import EngineConfig
-
 from rlinfer_ray.config import PoolConfig
 
 

@@ -24,8 +24,9 @@ from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
-from rlinfer_core.engine import TRANSPORT_CAPABILITY  # type: ignore[attr-defined]  # not in engine.__all__
+
 from rlinfer_core.errors import EngineDead, InvalidRequest, RLInferError, WeightUpdateError
+from rlinfer_core.preflight import TRANSPORT_CAPABILITY, transport_name
 from rlinfer_core.types import Capability, MemoryTag, PauseMode
 from rlinfer_core.weights import (
     BroadcastGroup,
@@ -36,8 +37,6 @@ from rlinfer_core.weights import (
     WeightSource,
     WeightUpdate,
 )
-
-from rlinfer_core import engine as core_engine
 from rlinfer_ray.replica import is_replica_death
 from rlinfer_ray.replicas import Replica, State, death_message
 
@@ -46,7 +45,6 @@ if TYPE_CHECKING:
     from rlinfer_core.observers import Observers
     from rlinfer_core.types import Capabilities, EngineConfig
     from rlinfer_core.weights import TensorSpec
-
     from rlinfer_ray.config import PoolConfig
     from rlinfer_ray.replicas import ReplicaSet
 
@@ -189,7 +187,7 @@ class ControlPlane:
             update = NamedTensors.of(dict(update))
         if not isinstance(update, WeightUpdate):
             update = WeightUpdate(update, version=version)
-        transport = core_engine.transport_name(update.source)
+        transport = transport_name(update.source)
         started = time.perf_counter()
         try:
             async with self._weight_lock:
@@ -211,6 +209,7 @@ class ControlPlane:
 
     async def _update_locked(self, update: WeightUpdate) -> tuple[int, int]:
         import ray
+
         from rlinfer_core.transfer.validate import validate_source
 
         self._caps().require(TRANSPORT_CAPABILITY[type(update.source)])

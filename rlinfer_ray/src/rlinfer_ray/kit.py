@@ -6,7 +6,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from rlinfer_core.types import EngineConfig
-
 from rlinfer_ray.config import PoolConfig
 from rlinfer_ray.sync import SyncEnginePool
 

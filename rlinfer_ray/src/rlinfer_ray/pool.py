@@ -18,11 +18,12 @@ from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
+
 from rlinfer_core.admission import Admission
-from rlinfer_core.engine import as_memory_tags  # type: ignore[attr-defined]  # not in engine.__all__
 from rlinfer_core.errors import EngineDead, EngineTimeout, InvalidRequest
 from rlinfer_core.model_info import ModelInfo
 from rlinfer_core.observers import Observers
+from rlinfer_core.preflight import as_memory_tags, request_capabilities
 from rlinfer_core.types import (
     PAUSE_CAPABILITY,
     Capabilities,
@@ -35,8 +36,7 @@ from rlinfer_core.types import (
     PauseMode,
 )
 from rlinfer_core.weights import TensorSpec
-
-from rlinfer_core import engine as core_engine
+from rlinfer_ray.agent import PoolAgent
 from rlinfer_ray.config import PoolConfig
 from rlinfer_ray.control import ControlPlane
 from rlinfer_ray.replica import is_replica_death
@@ -59,7 +59,7 @@ class _Piece:
     sub: GenerateRequest  #: what the replica gets
 
 
-class EnginePool(ControlPlane):
+class EnginePool(PoolAgent, ControlPlane):
     """Replicas of one engine, each in a Ray actor; open it with :meth:`open`."""
 
     def __init__(self, backend: str, config: EngineConfig, pool: PoolConfig, observers: Observers) -> None:
@@ -74,7 +74,7 @@ class EnginePool(ControlPlane):
         self._routes: dict[str, set[tuple[int, str]]] = {}
         self._closed = False
         self._set: ReplicaSet | None = None
-        self.capabilities: Capabilities | None = None  # type: ignore[assignment]
+        self.capabilities: Capabilities | None = None
         self.model_info: ModelInfo | None = None
         self._weight_specs: Mapping[str, TensorSpec] = {}
 
@@ -97,7 +97,6 @@ class EnginePool(ControlPlane):
         this process; the replicas run without observers of their own.
         """
         from rlinfer_core.discovery import plugin_objects
-
         from rlinfer_ray import cluster
 
         if config is None:
@@ -238,7 +237,7 @@ class EnginePool(ControlPlane):
         self._ensure_open()
         if not isinstance(request, GenerateRequest):
             raise InvalidRequest("requests", f"must be GenerateRequest objects, got {type(request).__name__}")
-        for capability in core_engine.request_capabilities(request):
+        for capability in request_capabilities(request):
             self._caps().require(capability)
         if MemoryTag.KV_CACHE in self._released or MemoryTag.WEIGHTS in self._released:
             raise InvalidRequest(

@@ -14,9 +14,8 @@ import os
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-from rlinfer_core.types import EngineConfig, GenerateRequest
-
 from rlinfer_core import errors
+from rlinfer_core.types import EngineConfig, GenerateRequest
 
 Reply = tuple[str, Any]
 
@@ -107,8 +106,8 @@ class ReplicaActor:
         return os.getpid()
 
     def _engine_procs(self) -> list[tuple[int, float]]:
-        """(pid, start time) of the engine's processes, for :func:`reap` after the actor died."""
-        import psutil  # type: ignore[import-untyped]
+        """(pid, start time) of the engine's processes (Ray kills them with the actor's process group)."""
+        import psutil
 
         try:
             pids = list(self.engine.engine_processes().values())
@@ -130,20 +129,3 @@ def _node_id() -> str | None:
         return str(ray.get_runtime_context().get_node_id())
     except Exception:
         return None
-
-
-def reap(procs: list[tuple[int, float]]) -> int:
-    """Kill the engine processes of a replica whose actor died (they would otherwise linger);
-    a process is only killed when its start time matches, so a reused pid is left alone."""
-    import psutil
-
-    killed = 0
-    for pid, started in procs:
-        try:
-            proc = psutil.Process(pid)
-            if abs(proc.create_time() - started) < 1e-3:
-                proc.kill()
-                killed += 1
-        except psutil.Error:
-            continue
-    return killed

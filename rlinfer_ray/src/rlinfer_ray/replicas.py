@@ -17,10 +17,10 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 import attrs
+
 from rlinfer_core.errors import EngineDead, EngineTimeout
 from rlinfer_core.types import EngineConfig
-
-from rlinfer_ray.replica import ReplicaActor, reap, unpack_error
+from rlinfer_ray.replica import ReplicaActor, unpack_error
 
 logger = logging.getLogger(__name__)
 
@@ -132,14 +132,7 @@ class ReplicaSet:
             await asyncio.wait_for(actor.call.remote("shutdown"), timeout=SHUTDOWN_TIMEOUT_S)
         with contextlib.suppress(Exception):
             ray.kill(actor, no_restart=True)
-        procs, replica.procs = replica.procs, []
-        if procs:  # an actor killed hard leaves its engine's processes behind: reap them on its node
-            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-            strategy = NodeAffinitySchedulingStrategy(replica.node_id, soft=False) if replica.node_id else "DEFAULT"
-            task = ray.remote(num_cpus=0)(reap).options(scheduling_strategy=strategy).remote(procs)
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(task, timeout=SHUTDOWN_TIMEOUT_S)
+        # no reaping needed: Ray kills the process group of a worker that exits, engine processes included
 
     def serving(self, exclude: int | None = None) -> list[Replica]:
         """Replicas in routing."""

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from collections.abc import Coroutine, Mapping, Sequence
+from typing import Any, TypeVar, cast
 
+from rlinfer_core.errors import EngineDead
 from rlinfer_core.sync_engine import Engine
 from rlinfer_core.types import Completion, EngineConfig, GenerateRequest
-
 from rlinfer_ray.config import PoolConfig
 from rlinfer_ray.pool import EnginePool, Session
+
+T = TypeVar("T")
 
 
 class SyncEnginePool(Engine):
@@ -24,7 +26,7 @@ class SyncEnginePool(Engine):
         return cast(EnginePool, self.async_engine)
 
     @classmethod
-    def open(  # type: ignore[override]
+    def open(
         cls, backend: str, config: EngineConfig | None = None, *, pool: PoolConfig | None = None, **kwargs: Any
     ) -> SyncEnginePool:
         """Start a pool (see :meth:`EnginePool.open` for the arguments) on its own loop thread."""
@@ -40,7 +42,13 @@ class SyncEnginePool(Engine):
             raise
         return cls(cast(Any, engine), loop, thread)
 
-    def generate(  # type: ignore[override]
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if not self._thread.is_alive():  # shut down: the loop is gone, nothing would ever answer
+            coro.close()
+            raise EngineDead("the engine pool was shut down; open a new one")
+        return super()._run(coro)
+
+    def generate(
         self, requests: GenerateRequest | Sequence[GenerateRequest], *, session: Session = None
     ) -> list[Completion]:
         """See :meth:`EnginePool.generate`."""
