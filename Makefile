@@ -43,11 +43,14 @@ test-sglang: env-sglang
 	$(VENVS)/sglang/bin/python -m pytest tests/backends/test_sglang_conformance.py tests/backends/sglang -q --rlinfer-backend sglang --rlinfer-report out/conformance-sglang.json
 
 # rlinfer-ray: pool tests (two vLLM replicas on a local Ray cluster), then the kit against a pool
-# of two replicas for each backend (rlinfer conformance --backend X --replicas 2)
+# of two replicas for each backend (rlinfer conformance --backend X --replicas 2). The kit tests
+# that open engines of their own (extra architectures, process kills) test one engine, not the
+# pool, and ran in test-vllm/test-sglang already: deselected here to keep CI time down.
+POOL_KIT_SKIP := -k "not test_architecture_parity_and_updates and not test_each_engine_process_killed_in_turn"
 test-ray: env-vllm env-sglang
 	$(VENVS)/vllm/bin/python -m pytest tests/ray -q
-	$(VENVS)/vllm/bin/python -m pytest tests/backends/test_vllm_conformance.py -q --rlinfer-backend vllm --rlinfer-replicas 2 --rlinfer-report out/conformance-vllm-pool.json
-	$(VENVS)/sglang/bin/python -m pytest tests/backends/test_sglang_conformance.py -q --rlinfer-backend sglang --rlinfer-replicas 2 --rlinfer-report out/conformance-sglang-pool.json
+	$(VENVS)/vllm/bin/python -m pytest tests/backends/test_vllm_conformance.py -q --rlinfer-backend vllm --rlinfer-replicas 2 --rlinfer-report out/conformance-vllm-pool.json $(POOL_KIT_SKIP)
+	$(VENVS)/sglang/bin/python -m pytest tests/backends/test_sglang_conformance.py -q --rlinfer-backend sglang --rlinfer-replicas 2 --rlinfer-report out/conformance-sglang-pool.json $(POOL_KIT_SKIP)
 
 # rlinfer serve with real clients (openai, httpx, hypothesis) over one vLLM CPU server (~5 min)
 test-server: env-vllm
