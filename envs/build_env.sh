@@ -24,7 +24,7 @@ pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
 if [[ -f "$root/envs/post_$name.sh" ]]; then
   VENV="$venv" ROOT="$root" bash "$root/envs/post_$name.sh"
 fi
-editables=(-e "$root/rlinfer_core[demo]" -e "$root/conformance" -e "$root/rlinfer_server")
+editables=(-e "$root/rlinfer_core" -e "$root/rlinfer_demo" -e "$root/conformance" -e "$root/rlinfer_server")
 case "$name" in
   vllm) editables+=(-e "$root/rlinfer_vllm" -e "$root/rlinfer_ray") ;;
   sglang) editables+=(-e "$root/rlinfer_sglang" -e "$root/rlinfer_ray") ;;

@@ -15,6 +15,7 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from rlinfer_core import hookimpl
 from rlinfer_core.discovery import BackendInfo
 from rlinfer_core.model_info import ModelInfo
 from rlinfer_core.types import (
@@ -29,8 +30,6 @@ from rlinfer_core.types import (
     PauseMode,
 )
 from rlinfer_core.weights import BroadcastGroup, TensorSpec, WeightUpdate
-
-from rlinfer_core import hookimpl
 
 VOCAB = 100
 MAX_LEN = 32

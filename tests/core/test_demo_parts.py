@@ -12,12 +12,12 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from rlinfer_core.demo.cli import check_backend, check_model  # noqa: E402
-from rlinfer_core.demo.loop import DemoConfig, RunInfo, StepRecord, build_requests, logprob_gap  # noqa: E402
-from rlinfer_core.demo.report import summarize, write_plots, write_report  # noqa: E402
-from rlinfer_core.demo.task import DigitTask, is_digit_text  # noqa: E402
-from rlinfer_core.demo.trainer import Policy, group_advantages, grpo_loss, token_logprobs  # noqa: E402
 from rlinfer_core.errors import BackendNotFound, InvalidRequest  # noqa: E402
+from rlinfer_demo.cli import check_backend, check_model  # noqa: E402
+from rlinfer_demo.loop import DemoConfig, RunInfo, StepRecord, build_requests, logprob_gap  # noqa: E402
+from rlinfer_demo.report import summarize, write_plots, write_report  # noqa: E402
+from rlinfer_demo.task import DigitTask, is_digit_text  # noqa: E402
+from rlinfer_demo.trainer import Policy, group_advantages, grpo_loss, token_logprobs  # noqa: E402
 
 
 @pytest.fixture(scope="module")

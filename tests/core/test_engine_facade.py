@@ -16,6 +16,8 @@ import pluggy
 import pytest
 import torch
 from recording_double import DEFAULT_SUPPORTED, INSTANCES, RecordingDoubleBackend, RecordingObserver
+
+from rlinfer_core import hookimpl
 from rlinfer_core.engine import AsyncEngine, open_engine
 from rlinfer_core.errors import (
     EngineDead,
@@ -26,8 +28,6 @@ from rlinfer_core.errors import (
 )
 from rlinfer_core.types import Capability, ChatMessage, EngineConfig, GenerateRequest, MemoryTag, SamplingParams
 from rlinfer_core.weights import CheckpointDir, NamedTensors, WeightUpdate
-
-from rlinfer_core import hookimpl
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -3,9 +3,9 @@
 
 Each entry point names a function ``register(subparsers)`` that adds one or more subcommands
 (``subparsers.add_parser(...)`` with ``set_defaults(func=...)``), like simonw/llm's
-``register_commands``. The core registers ``bench`` and ``demo`` this way; ``rlinfer-conformance``
-adds ``conformance`` and ``rlinfer-server`` adds ``serve``. A command plugin that fails to load or
-register is listed under ``load_errors`` by ``rlinfer backends`` and never breaks the CLI.
+``register_commands``. ``rlinfer-demo`` adds ``demo`` and ``bench`` this way,
+``rlinfer-conformance`` adds ``conformance`` and ``rlinfer-server`` adds ``serve``. A command
+plugin that fails to load or register is listed under ``load_errors`` by ``rlinfer backends`` and never breaks the CLI.
 ``RLINFER_COMMANDS`` (comma-separated names) restricts which entry points load.
 
 Subcommands import their heavy modules only when run, so ``rlinfer backends`` stays fast and
@@ -167,82 +167,6 @@ def backend_name(args: argparse.Namespace, settings: Any) -> str:
     if not name:
         raise InvalidRequest("backend", "give --backend NAME (or rollout.name in the --config file)")
     return str(name)
-
-
-def _apply_simple_config(
-    args: argparse.Namespace, command: str, honoured: Sequence[str], default_backend: str | None = None
-) -> None:
-    """For commands that build their own EngineConfig from ``args.model``/``args.dtype``/
-    ``args.engine_arg``: fill those from the file and refuse what the command cannot honour."""
-    settings, overrides = config_layers(args)
-    if default_backend and not args.backend and (settings is None or settings.backend is None):
-        args.backend = default_backend
-    args.backend = backend_name(args, settings)
-    fields = {**(settings.fields if settings else {}), **overrides}
-    ignored = sorted(set(fields) - set(honoured))
-    if ignored:
-        raise InvalidRequest(
-            ignored[0], f"rlinfer {command} takes only {sorted(honoured)} from --config/--set, not {ignored}"
-        )
-    if getattr(args, "model", None) is None and "model" in fields:
-        args.model = fields["model"]
-    if getattr(args, "dtype", None) is None and "dtype" in fields:
-        args.dtype = fields["dtype"]
-    if "engine_kwargs" in fields:
-        args.engine_arg = [f"{k}={json.dumps(v)}" for k, v in dict(fields["engine_kwargs"]).items()] + list(
-            getattr(args, "engine_arg", []) or []
-        )
-    if settings is not None or overrides:
-        from rlinfer_core.config_file import engine_config
-
-        engine_config(settings, overrides, defaults={"model": "x"})  # values checked with cattrs
-
-
-def _cmd_bench(args: argparse.Namespace) -> int:
-    _apply_simple_config(args, "bench", ("model", "dtype", "engine_kwargs"))
-    from rlinfer_core.bench import main as bench_main
-
-    return int(bench_main(args))
-
-
-def _cmd_demo(args: argparse.Namespace) -> int:
-    _apply_simple_config(args, "demo", ("model",), default_backend="vllm")
-    from rlinfer_core.demo.cli import main as demo_main
-
-    return int(demo_main(args))
-
-
-def register_bench(subparsers: Any) -> None:
-    """``rlinfer bench`` (entry point of the ``rlinfer.commands`` group)."""
-    p = subparsers.add_parser("bench", help="rlinfer vs the raw engine: generate throughput and weight-update time")
-    p.add_argument("--backend", help="backend name (or rollout.name in --config)")
-    p.add_argument("--model", help="HF model dir (default: a tiny random model)")
-    p.add_argument("--prompts", type=int, default=32)
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--runs", type=int, default=5, help="timed runs per side (median reported)")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], help="engine dtype")
-    p.add_argument("--json-out", help="write the JSON result here")
-    p.add_argument(
-        "--engine-arg",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="engine-specific argument passed through EngineConfig.engine_kwargs (repeatable)",
-    )
-    add_config_arguments(p)
-    p.set_defaults(func=_cmd_bench)
-
-
-def register_demo(subparsers: Any) -> None:
-    """``rlinfer demo`` (entry point of the ``rlinfer.commands`` group)."""
-    p = subparsers.add_parser("demo", help="a real GRPO loop through rlinfer on the tiny model (or --model)")
-    p.add_argument("--backend", default=None, help="backend name (default: rollout.name in --config, else vllm)")
-    p.add_argument("--model", help="local HF causal LM dir (default: the tiny model)")
-    p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--out", default="out/demo")
-    add_config_arguments(p)
-    p.set_defaults(func=_cmd_demo)
 
 
 def build_parser() -> argparse.ArgumentParser:

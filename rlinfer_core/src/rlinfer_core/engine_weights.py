@@ -187,11 +187,11 @@ class EngineWeights(EngineBase):
         )
 
     async def bench_raw_weight_update(self, path: str) -> None:
-        """The engine's own reload from a safetensors directory, unvalidated (bench baseline)."""
+        """The engine's own reload from a safetensors directory and nothing else (bench baseline):
+        no validation, no version bump, no prefix-cache reset (call :meth:`reset_prefix_cache`)."""
         self._ensure_open()
         self.capabilities.require(Capability.BENCH)
         impl = present(self._bench_impl, "rlinfer_bench_raw_weight_update", self.backend_name)
         await self._with_timeout(
             impl.rlinfer_bench_raw_weight_update(path), self.config.request_timeout_s, "bench_raw_weight_update"
         )
-        await self._reset_prefix_cache()

@@ -18,7 +18,7 @@ INTERPRETER_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.fork
 
 
 def _children() -> list[Any]:
-    import psutil  # type: ignore[import-untyped]
+    import psutil
 
     return list(psutil.Process(os.getpid()).children(recursive=True))
 
@@ -52,7 +52,7 @@ def alive(procs: list[Any]) -> list[Any]:
 
 
 def _kill_survivors(running: list[Any], timeout_s: float) -> list[int]:
-    import psutil  # type: ignore[import-untyped]
+    import psutil
 
     _, still = psutil.wait_procs(running, timeout=timeout_s)
     for proc in still:
@@ -72,7 +72,7 @@ def kill(procs: list[Any], grace_s: float = 5.0) -> list[int]:
 
     Returns the pids that had to be killed with SIGKILL.
     """
-    import psutil  # type: ignore[import-untyped]
+    import psutil
 
     everyone = list(procs)
     for proc in procs:

@@ -24,7 +24,7 @@ def _as_is(value: Any, _type: Any) -> Any:
 
 
 def _is_literal(type_: Any) -> bool:
-    return get_origin(type_) is Literal  # type: ignore[comparison-overlap]
+    return get_origin(type_) is Literal
 
 
 _converter = make_converter()

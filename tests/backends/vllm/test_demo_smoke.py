@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("rlinfer_vllm.plugin")
+pytest.importorskip("rlinfer_demo.commands")  # rlinfer-demo registers the demo command
 pytest.importorskip("vllm")
 
 PNG = b"\x89PNG\r\n\x1a\n"

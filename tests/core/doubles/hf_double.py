@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import torch
+
 from rlinfer_core.discovery import BackendInfo
 from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.model_info import ModelInfo
@@ -35,6 +36,7 @@ SUPPORTED = {
     Capability.WEIGHTS_BUCKETS,
     Capability.WEIGHTS_DISK,
     Capability.PREFIX_CACHE_RESET,
+    Capability.BENCH,
 }
 
 

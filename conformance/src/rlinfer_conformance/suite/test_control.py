@@ -6,10 +6,13 @@ import concurrent.futures
 import time
 
 import pytest
-from rlinfer_core.types import Capability, Completion, FinishReason, GenerateRequest, PauseMode, SamplingParams
 
 from rlinfer_conformance.checks import check_batch
-from rlinfer_conformance.world import DEFAULT_LOGPROB_TOLERANCE, LOGPROB_TOLERANCE, OP_TIMEOUT_S, KitWorld
+from rlinfer_conformance.world import DEFAULT_LOGPROB_TOLERANCE, LOGPROB_TOLERANCE, OP_TIMEOUT_S, OTHER, KitWorld
+from rlinfer_core.types import Capability, Completion, FinishReason, GenerateRequest, PauseMode, SamplingParams
+
+#: how long a paused-keep request must stay silent (after draining what was already produced)
+PAUSED_QUIET_S = 1.0
 
 __all__ = [
     "test_abort_returns_partial_tokens",
@@ -18,6 +21,7 @@ __all__ = [
     "test_pause_wait",
     "test_pause_keep",
     "test_reset_prefix_cache",
+    "test_reset_prefix_cache_keeps_outputs",
 ]
 
 
@@ -102,26 +106,67 @@ def test_pause_wait(rlinfer_world: KitWorld) -> None:
     rlinfer_world.generate_and_check(None, max_tokens=4)
 
 
-@pytest.mark.requires(Capability.PAUSE_KEEP)
+@pytest.mark.requires(Capability.PAUSE_KEEP, Capability.STREAM)
 @pytest.mark.hooks("rlinfer_pause", "rlinfer_resume")
 def test_pause_keep(rlinfer_world: KitWorld) -> None:
-    requests = _long_requests(rlinfer_world)
-    future = _start(rlinfer_world, requests)
+    """A paused-keep request makes no progress until resume, then finishes with the same tokens."""
+    world = rlinfer_world
+    (request,) = _long_requests(world, 1)
+    max_tokens = request.sampling.max_tokens
+    stream = world.engine.stream(request)
+    deltas = [world.submit(next, stream).result(timeout=OP_TIMEOUT_S)]  # it runs in the engine
+    assert request.request_id in world.engine.in_flight, "premise: the request is in flight"
+    world.engine.pause(PauseMode.KEEP)
     try:
-        rlinfer_world.engine.pause(PauseMode.KEEP)
-        time.sleep(0.5)
-        assert not future.done(), "pause(keep) freezes in-flight requests"
+        # Deltas produced before the pause took effect may still arrive: take them, then no new
+        # one may come while paused (each wait bounded; an unpaused engine runs to max_tokens).
+        pending = world.submit(next, stream)
+        while True:
+            try:
+                delta = pending.result(timeout=PAUSED_QUIET_S)
+            except concurrent.futures.TimeoutError:
+                break
+            deltas.append(delta)
+            assert delta.finish_reason is None, "pause(keep) must freeze the request, not end it"
+            pending = world.submit(next, stream)
+        frozen_at = sum(len(d.token_ids) for d in deltas)
+        assert frozen_at < max_tokens and not pending.done(), "pause(keep) freezes in-flight requests"
+        assert request.request_id in world.engine.in_flight, "a kept request stays in flight"
     finally:
-        rlinfer_world.engine.resume()
-    completions = future.result(timeout=OP_TIMEOUT_S)
-    check_batch(rlinfer_world, requests, completions)
-    assert all(c.finish_reason is FinishReason.LENGTH for c in completions)
-    rlinfer_world.check_parity(None, requests, completions)  # same weights: same greedy tokens
+        world.engine.resume()
+    deltas.append(pending.result(timeout=OP_TIMEOUT_S))
+    deltas.extend(stream)
+    tokens = [t for d in deltas for t in d.token_ids]
+    assert frozen_at < len(tokens) == max_tokens, "the request continues after resume, to max_tokens"
+    assert deltas[-1].finish_reason is FinishReason.LENGTH
+    whole = Completion(
+        request_id=request.request_id,
+        index=0,
+        prompt_token_ids=request.prompt_token_ids or (),
+        token_ids=tuple(tokens),
+        logprobs=tuple(lp for d in deltas for lp in d.logprobs),
+        finish_reason=FinishReason.LENGTH,
+    )
+    world.check_parity(None, [request], [whole])  # same weights: the same greedy continuation
+
+
+def _long_prompt_requests(world: KitWorld, max_tokens: int = 6) -> list[GenerateRequest]:
+    """Prompts spanning several KV blocks of any engine, so a second run hits the prefix cache."""
+    length = world.max_model_len - max_tokens - 8
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [
+        GenerateRequest(
+            prompt_token_ids=[1, *((37 * j + 11 * i) % (world.vocab_size - 20) + 16 for j in range(length - 1))],
+            sampling=params,
+            request_id=world.request_id("prefix"),
+        )
+        for i in range(2)
+    ]
 
 
 @pytest.mark.requires(Capability.PREFIX_CACHE_RESET)
 @pytest.mark.hooks("rlinfer_reset_prefix_cache")
-def test_reset_prefix_cache(rlinfer_world: KitWorld) -> None:
+def test_reset_prefix_cache_keeps_outputs(rlinfer_world: KitWorld) -> None:
     before = rlinfer_world.generate_and_check(None)
     rlinfer_world.engine.reset_prefix_cache()
     after = rlinfer_world.generate_and_check(None)  # still matches the oracle after the reset
@@ -129,3 +174,27 @@ def test_reset_prefix_cache(rlinfer_world: KitWorld) -> None:
         # exact kernels (the CPU default): recomputing the prefix gives the very same tokens; at a
         # GPU tolerance a cache hit and a recompute may break a near-tie differently
         assert [c.token_ids for c in before] == [c.token_ids for c in after]
+
+
+@pytest.mark.requires(Capability.PREFIX_CACHE_RESET, Capability.BENCH)
+@pytest.mark.hooks("rlinfer_reset_prefix_cache", "rlinfer_bench_raw_weight_update")
+def test_reset_prefix_cache(rlinfer_base_weights: KitWorld) -> None:
+    """A no-op reset fails here: weights change under a filled cache without the facade's reset
+    (the engine's own reload), so outputs are stale until reset_prefix_cache() drops the KV."""
+    world = rlinfer_base_weights
+    world.check_parity(None, *_run(world, _long_prompt_requests(world)))  # base KV is now cached
+    world.run_async(world.engine.async_engine.bench_raw_weight_update(str(world.oracle.model_dir(OTHER))))
+    world.current = OTHER
+    requests, completions = _run(world, _long_prompt_requests(world))
+    stale = world.oracle.check_all(OTHER, requests, completions)
+    if stale.max_abs_logprob_delta <= LOGPROB_TOLERANCE and not stale.argmax_mismatches:
+        pytest.skip(
+            "premise not met: the engine's own reload already dropped its prefix cache (SGLang's "
+            "update_weights_from_disk flushes it), so a no-op reset cannot be told apart here"
+        )
+    world.engine.reset_prefix_cache()
+    world.check_parity("after_prefix_cache_reset", *_run(world, _long_prompt_requests(world)))
+
+
+def _run(world: KitWorld, requests: list[GenerateRequest]) -> tuple[list[GenerateRequest], list[Completion]]:
+    return requests, world.generate(requests)

@@ -7,11 +7,11 @@ import math
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from rlinfer_core.types import Capability, ChatMessage, FinishReason, GenerateRequest, SamplingParams
 
 from rlinfer_conformance.checks import check_batch, parity_applies
 from rlinfer_conformance.strategies import valid_requests
 from rlinfer_conformance.world import LOGPROB_TOLERANCE, KitWorld
+from rlinfer_core.types import Capability, ChatMessage, FinishReason, GenerateRequest, SamplingParams
 
 __all__ = [
     "test_greedy_matches_oracle_at_start",
@@ -246,6 +246,7 @@ def test_stop_strings_are_honoured(rlinfer_world: KitWorld) -> None:
     assert checked >= 1, "no usable stop string found in the greedy outputs"
 
 
+@pytest.mark.requires(Capability.BENCH)
 @pytest.mark.hooks("rlinfer_bench_raw_generate")
 def test_bench_raw_generate_counts_tokens(rlinfer_world: KitWorld) -> None:
     requests = rlinfer_world.greedy_requests(max_tokens=8, ignore_eos=True)

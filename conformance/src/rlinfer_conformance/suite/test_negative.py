@@ -6,6 +6,8 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+
+from rlinfer_conformance.world import BASE, KitWorld
 from rlinfer_core.errors import UnsupportedCapability
 from rlinfer_core.scoring import ScoreRequest
 from rlinfer_core.types import (
@@ -17,8 +19,6 @@ from rlinfer_core.types import (
     SamplingParams,
 )
 from rlinfer_core.weights import BroadcastGroup, BroadcastSource, specs_of
-
-from rlinfer_conformance.world import BASE, KitWorld
 
 __all__ = ["test_unsupported_capability_raises"]
 

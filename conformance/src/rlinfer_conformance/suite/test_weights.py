@@ -6,11 +6,11 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+
+from rlinfer_conformance.world import BASE, LOGPROB_TOLERANCE, OTHER, KitWorld
 from rlinfer_core.errors import WeightUpdateError
 from rlinfer_core.types import Capability, Completion, MemoryTag
 from rlinfer_core.weights import Bucket, BucketManifest, Buckets, CheckpointDir, NamedTensors
-
-from rlinfer_conformance.world import BASE, LOGPROB_TOLERANCE, OTHER, KitWorld
 
 __all__ = [
     "test_update_to_second_model",
@@ -218,6 +218,7 @@ def test_bad_weight_update_keeps_old_weights(rlinfer_base_weights: KitWorld, cas
     world.generate_and_check(None)  # and they are still the base model's weights
 
 
+@pytest.mark.requires(Capability.BENCH)
 @pytest.mark.hooks("rlinfer_bench_raw_weight_update")
 def test_bench_raw_weight_update(rlinfer_base_weights: KitWorld) -> None:
     world = rlinfer_base_weights
@@ -225,4 +226,6 @@ def test_bench_raw_weight_update(rlinfer_base_weights: KitWorld) -> None:
     world.run_async(world.engine.async_engine.bench_raw_weight_update(str(world.oracle.model_dir(OTHER))))
     world.current = OTHER
     assert world.engine.weight_version == version, "the raw (bench) path does not version weights"
+    if world.supports(Capability.PREFIX_CACHE_RESET):
+        world.engine.reset_prefix_cache()  # the raw path leaves the cache to the caller
     world.generate_and_check(None)

@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from rlinfer_core.discovery import get_backend
 from rlinfer_core.errors import BackendLoadError, BackendNotFound, InvalidRequest
@@ -82,32 +83,47 @@ def check_model(path: str) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    """Run the demo from parsed ``rlinfer demo`` arguments; 0 when parity held at every step."""
-    from rlinfer_core.demo.loop import DemoConfig, run
-    from rlinfer_core.demo.report import Display, write_plots, write_report
+    """Run the demo from parsed ``rlinfer demo`` arguments; 0 when parity held at every step.
+
+    The terminal shows the progress display only; the engine's logs go to ``OUT/engine.log``
+    (``--verbose`` shows them instead).
+    """
+    from rlinfer_demo.console import engine_logs_to
 
     steps = DEFAULT_STEPS if args.steps is None else args.steps
     if steps < 1:
         raise InvalidRequest("steps", f"must be >= 1, got {steps}")
     check_backend(args.backend)
+    if args.model is not None:
+        check_model(args.model)
     out = Path(args.out)
+    log_path = out / "engine.log"
+    with engine_logs_to(log_path, verbose=getattr(args, "verbose", False)) as console:
+        code = _run(args, out, steps, console)
+        if not getattr(args, "verbose", False):
+            console.print(f"engine logs: {log_path}")
+    return code
+
+
+def _run(args: argparse.Namespace, out: Path, steps: int, console: Any) -> int:
+    from rlinfer_demo.loop import DemoConfig, run
+    from rlinfer_demo.report import Display, write_plots, write_report
+
     if args.model is None:
         from rlinfer_core.tiny_model import make_tiny_model
 
         model = str(make_tiny_model(out / "tiny_model", seed=0))
     else:
-        check_model(args.model)
         model = str(Path(args.model).resolve())
     cfg = DemoConfig(backend=args.backend, model=model, out=str(out), steps=steps)
 
     started = time.perf_counter()
-    with Display(cfg.steps, cfg.parity_tolerance) as display:
+    with Display(cfg.steps, cfg.parity_tolerance, console) as display:
         info, records = run(cfg, on_start=display.started, on_step=display.step)
     total_s = time.perf_counter() - started
     write_plots(out, info, records, cfg.parity_tolerance)
     report = write_report(out, cfg, info, records, total_s)
     s = report["summary"]
-    console = display.console
     console.print(
         f"reward {s['reward_first']:.3f} (first {s['window']} steps) -> {s['reward_last']:.3f} "
         f"(last {s['window']}); max |dlogprob| {s['max_logprob_gap']:.2e} "

@@ -6,7 +6,10 @@ drift (thermal, cache, other load) hits both equally:
 * generate: ``AsyncEngine.generate`` (validation, conversion, version stamping) vs the backend's
   ``rlinfer_bench_raw_generate`` (the engine's native API, no rlinfer types);
 * weight update: ``update_weights(CheckpointDir)`` and ``update_weights(NamedTensors)`` (with
-  rlinfer's all-or-nothing validation) vs the engine's own reload-from-disk call.
+  rlinfer's all-or-nothing validation) vs the engine's own reload-from-disk call (plus the
+  prefix-cache reset that any correct reload needs, as rlinfer's update does).
+
+Needs a backend claiming ``Capability.BENCH`` (the raw-engine baselines).
 
 Medians of ``--runs`` timed runs after one warm-up of each side.
 """
@@ -27,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from rlinfer_core.engine import AsyncEngine
-from rlinfer_core.types import EngineConfig, GenerateRequest, SamplingParams, parse_assignments
+from rlinfer_core.types import Capability, EngineConfig, GenerateRequest, SamplingParams, parse_assignments
 from rlinfer_core.weights import CheckpointDir, NamedTensors
 
 
@@ -53,6 +56,12 @@ async def _timed(coro: Any) -> tuple[float, Any]:
     return time.perf_counter() - started, result
 
 
+async def _raw_reload(engine: AsyncEngine, path: str) -> None:
+    await engine.bench_raw_weight_update(path)
+    if engine.capabilities.supports(Capability.PREFIX_CACHE_RESET):
+        await engine.reset_prefix_cache()
+
+
 def _engine_tensors(engine: AsyncEngine, model_dir: Path) -> list[tuple[str, Any]]:
     """The checkpoint's tensors that the engine accepts, cast to the engine's dtypes."""
     from rlinfer_core.transfer.buckets import to_dtype
@@ -76,6 +85,7 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     )
     engine = await AsyncEngine.open(args.backend, config, load_entry_point_plugins=False)
     try:
+        engine.capabilities.require(Capability.BENCH)
         assert engine.model_info is not None
         vocab = engine.model_info.vocab_size
         runs = max(1, args.runs)
@@ -111,7 +121,7 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                 if side == "rlinfer_disk":
                     seconds, _ = await _timed(engine.update_weights(CheckpointDir(str(dirs[which]))))
                 elif side == "raw_disk":
-                    seconds, _ = await _timed(engine.bench_raw_weight_update(str(dirs[which])))
+                    seconds, _ = await _timed(_raw_reload(engine, str(dirs[which])))
                 else:
                     seconds, _ = await _timed(engine.update_weights(NamedTensors(tuple(tensors[which]))))
                 if run >= 0:

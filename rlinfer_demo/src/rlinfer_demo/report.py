@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from rlinfer_core.demo.loop import DemoConfig, RunInfo, StepRecord
+from rlinfer_demo.loop import DemoConfig, RunInfo, StepRecord
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 #: how many first/last steps the summary averages to decide that the reward rose
 WINDOW = 3
@@ -109,11 +112,11 @@ def write_plots(out: Path, info: RunInfo, records: Sequence[StepRecord], parity_
 class Display:
     """Per-step progress with rich: a bar plus one line per step (reward, sync, parity)."""
 
-    def __init__(self, total_steps: int, parity_tolerance: float) -> None:
+    def __init__(self, total_steps: int, parity_tolerance: float, console: Console | None = None) -> None:
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-        self.console = Console()
+        self.console = console if console is not None else Console()
         self.tolerance = parity_tolerance
         self.progress = Progress(
             TextColumn("[bold]GRPO[/bold]"),

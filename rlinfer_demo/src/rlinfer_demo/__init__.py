@@ -7,6 +7,10 @@ the new weights into the engine, and release/resume engine memory around the tra
 the platform supports it.
 
 Modules: :mod:`.task` (prompts + reward), :mod:`.trainer` (policy + GRPO math), :mod:`.loop`
-(one run), :mod:`.report` (progress display, report.json, plots), :mod:`.cli` (the command).
+(one run), :mod:`.report` (progress display, report.json, plots), :mod:`.console` (engine logs to
+a file), :mod:`.cli` (the command), :mod:`.bench` (``rlinfer bench``), :mod:`.commands` (both
+registered under the ``rlinfer.commands`` entry-point group).
+
+This distribution (``rlinfer-demo``) is an example on top of the contract, not part of it.
 Importing this package imports neither torch nor any engine.
 """

@@ -123,8 +123,8 @@ def run(
     import torch
     from transformers import AutoTokenizer
 
-    from rlinfer_core.demo.task import DigitTask
-    from rlinfer_core.demo.trainer import Policy, group_advantages
+    from rlinfer_demo.task import DigitTask
+    from rlinfer_demo.trainer import Policy, group_advantages
 
     torch.manual_seed(cfg.seed)
     task = DigitTask.from_tokenizer(AutoTokenizer.from_pretrained(cfg.model), cfg.num_prompts)
