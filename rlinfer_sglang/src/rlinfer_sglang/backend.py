@@ -51,6 +51,22 @@ def create(config: EngineConfig) -> SGLangBackend:
     return SGLangBackend(config)
 
 
+AMX_NOTE = (
+    "sgl-kernel's CPU ops are installed: SGLang repacks linear weights for AMX after loading, so "
+    "model.named_parameters() is not what the kernels read"
+)
+
+
+def _amx_repacks() -> bool:
+    """True when SGLang's CPU path repacks weights (a real CPU sgl-kernel with AMX ops)."""
+    try:
+        from sglang.srt.utils.common import cpu_has_amx_support
+
+        return bool(cpu_has_amx_support())
+    except Exception:
+        return False
+
+
 class SGLangBackend(Supervision, Generation, Memory):
     """Implements rlinfer's operation hooks for one SGLang engine."""
 
@@ -153,6 +169,9 @@ class SGLangBackend(Supervision, Generation, Memory):
             notes = dict(caps.notes)
             notes[Capability.CHAT.value] = "the model's tokenizer has no chat template"
             caps = attrs.evolve(caps, supported=caps.supported - {Capability.CHAT}, notes=notes)
+        if self.platform == "cpu" and Capability.WEIGHTS_CHECKSUM in caps.supported and _amx_repacks():
+            notes = {**caps.notes, Capability.WEIGHTS_CHECKSUM.value: AMX_NOTE}
+            caps = attrs.evolve(caps, supported=caps.supported - {Capability.WEIGHTS_CHECKSUM}, notes=notes)
         overlap = not getattr(getattr(self._tm, "server_args", None), "disable_overlap_schedule", True)
         if overlap and Capability.SAMPLING_PENALTIES in caps.supported:
             notes = {**caps.notes, Capability.SAMPLING_PENALTIES.value: OVERLAP_NOTE}
