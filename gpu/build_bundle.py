@@ -366,15 +366,19 @@ def build(recipe: EngineRecipe, out: Path, image: set[str], part_mib: int, reuse
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("engines", nargs="*", default=["vllm", "sglang"], choices=sorted(RECIPES))
+    # checked by hand: Python 3.11's argparse tests a nargs="*" default (even []) against choices
+    parser.add_argument("engines", nargs="*", metavar="ENGINE", help=f"among {sorted(RECIPES)} (default: all)")
     parser.add_argument("--out", type=Path, default=REPO / ".gpu")
     parser.add_argument("--part-mib", type=int, default=58, help="max MiB per part (a run carries <= 64 MiB)")
     parser.add_argument("--image-packages", type=Path, default=REPO / "gpu" / "image_packages.txt")
     parser.add_argument("--reuse", action="store_true", help="keep already downloaded wheels")
     parser.add_argument("--with-toolchain", action="store_true", help="bundle the CUDA compiler wheels too")
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.engines) - set(RECIPES))
+    if unknown:
+        parser.error(f"unknown engine(s) {unknown}; choose from {sorted(RECIPES)}")
     image = image_packages(args.image_packages)
-    for engine in args.engines:
+    for engine in args.engines or sorted(RECIPES):
         recipe = RECIPES[engine]
         if not args.with_toolchain:
             recipe.drop |= TOOLCHAIN
