@@ -51,14 +51,17 @@ def _kill_actor(pool: Any, index: int) -> None:
 
 
 def _outputs_per_replica(pool: Any) -> list[list[tuple[int, ...]]]:
-    """Greedy tokens of PROMPTS on every replica (the router is forced round robin)."""
+    """Greedy tokens of three prompts on replica 0 and on replica 1: a fresh round-robin router
+    sends batch positions 0, 2, 4 to one replica and 1, 3, 5 to the other, so prompt i (at i and
+    i + 3) runs once on each."""
     saved = pool.pool.router
     pool.pool.router = Router(RouterPolicy.ROUND_ROBIN)
     try:
-        runs = [pool.generate(_greedy(PROMPTS)) for _ in range(2)]
+        out = pool.generate(_greedy(PROMPTS[:3] * 2))
     finally:
         pool.pool.router = saved
-    return [[c.token_ids for c in run] for run in runs]
+    tokens = [c.token_ids for c in out]
+    return [tokens[:3], tokens[3:]]
 
 
 def test_pool_reports_the_backend(pool: Any) -> None:
