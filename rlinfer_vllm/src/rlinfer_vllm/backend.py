@@ -59,8 +59,13 @@ ABORT_SETTLE_S = 2.0
 PROCESS_CHECK_S = 0.2
 
 
-def create(config: EngineConfig) -> VllmBackend:
-    """Factory named by the ``rlinfer.backends: vllm`` entry point."""
+def create(config: EngineConfig) -> Any:
+    """Factory named by the ``rlinfer.backends: vllm`` entry point: the in-process backend, or
+    with ``mode="server"`` / ``server_url`` the one over vLLM's HTTP server."""
+    if config.server_mode:
+        from rlinfer_vllm.server_mode.backend import VllmServerBackend
+
+        return VllmServerBackend(config)
     return VllmBackend(config)
 
 
@@ -218,7 +223,7 @@ class VllmBackend(WeightHooks, MemoryHooks, BenchHooks):
                 await asyncio.get_running_loop().run_in_executor(None, llm.shutdown)
                 # AsyncLLM.__del__ calls shutdown() again, possibly at interpreter exit when
                 # vLLM's module globals are gone; it is done already.
-                llm.shutdown = _already_shut_down  # type: ignore[method-assign]
+                llm.shutdown = _already_shut_down  # type: ignore[method-assign,unused-ignore]
             finally:
                 await asyncio.get_running_loop().run_in_executor(None, processes.reap, self._engine_procs)
 

@@ -105,6 +105,58 @@ class RLInferWorkerExtension:
             dtype = tensor.dtype if checkpoint_dtypes or not tensor.is_floating_point() else served
             yield name, tensor, dtype
 
+    def rlinfer_http(self, method: str, *args: Any) -> Any:
+        """Entry point for calls through a vLLM server's ``/collective_rpc`` (server mode), whose
+        arguments arrive as JSON: ``{"b64": ...}`` arguments are decoded to bytes, and only
+        ``rlinfer_*`` methods may be called. Results must be JSON (dicts, lists, numbers)."""
+        import base64
+
+        if not method.startswith("rlinfer_") or method == "rlinfer_http":
+            raise ValueError(f"rlinfer_http calls rlinfer_* methods only, not {method!r}")
+        decoded = [base64.b64decode(a["b64"]) if isinstance(a, dict) and set(a) == {"b64"} else a for a in args]
+        return getattr(self, method)(*decoded)
+
+    def rlinfer_attach(self, checkpoint_dtypes: bool) -> list[tuple[str, str, list[int]]]:
+        """:meth:`rlinfer_init` once per worker: a client attaching to a running server gets the
+        specs without rebuilding the shadow (which would forget earlier updates)."""
+        specs = getattr(self, "_rlinfer_specs", None)
+        if specs is None:
+            return self.rlinfer_init(checkpoint_dtypes)
+        return [(name, str(dtype).removeprefix("torch."), list(shape)) for name, (dtype, shape) in specs.items()]
+
+    def rlinfer_server_facts(self) -> dict[str, Any]:
+        """What a server-mode client cannot read from the engine config over HTTP: vocabulary,
+        context length, EOS ids (tokenizer and model config), tied head, quantization, device."""
+        config = self.vllm_config
+        model_config = config.model_config
+        eos: list[int] = []
+        chat_template = False
+        try:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(
+                model_config.tokenizer, trust_remote_code=model_config.trust_remote_code
+            )
+            if tokenizer.eos_token_id is not None:
+                eos.append(int(tokenizer.eos_token_id))
+            chat_template = getattr(tokenizer, "chat_template", None) is not None
+        except Exception:  # no tokenizer: token-id prompts only
+            pass
+        hf_eos = getattr(model_config.hf_config, "eos_token_id", None)
+        for token in hf_eos if isinstance(hf_eos, list) else [hf_eos]:
+            if token is not None and int(token) not in eos:
+                eos.append(int(token))
+        return {
+            "vocab_size": int(model_config.get_vocab_size()),
+            "max_model_len": int(model_config.max_model_len),
+            "eos_token_ids": eos,
+            "tie_word_embeddings": bool(getattr(model_config.hf_config, "tie_word_embeddings", False)),
+            "quantized": model_config.quantization is not None,
+            "tensor_parallel_size": int(config.parallel_config.tensor_parallel_size),
+            "device": str(config.device_config.device_type),
+            "chat_template": chat_template,
+        }
+
     # --- transports ---------------------------------------------------------------------------
 
     def rlinfer_load_ipc(self, payload: bytes) -> dict[str, float]:

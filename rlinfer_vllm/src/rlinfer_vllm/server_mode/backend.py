@@ -1,0 +1,327 @@
+"""The vLLM backend in server mode: rlinfer's operation hooks over a real ``vllm serve`` process.
+
+``EngineConfig(mode="server")`` launches the server (:mod:`rlinfer_vllm.server_mode.launch`);
+``EngineConfig(server_url=...)`` attaches to a running one, started with
+``VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --enable-scale-out --logprobs-mode processed_logprobs
+--max-logprobs 21 --worker-extension-cls rlinfer_vllm.worker.RLInferWorkerExtension``.
+Everything then goes over HTTP with the engine's own endpoints (see the README's "Server mode").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+
+import attrs
+from rlinfer_core.errors import BackendLoadError, EngineDead, InvalidRequest, RLInferError
+from rlinfer_core.hookspecs import hookimpl
+from rlinfer_core.model_info import ModelInfo
+from rlinfer_core.types import (
+    Capabilities,
+    Capability,
+    Completion,
+    CompletionDelta,
+    EngineConfig,
+    GenerateRequest,
+    MemoryTag,
+    PauseMode,
+)
+from rlinfer_core.weights import TensorSpec
+
+from rlinfer_vllm import convert as inproc_convert
+from rlinfer_vllm.capabilities import capabilities, installed_engine, installed_platform
+from rlinfer_vllm.config import engine_args, resolve_platform
+from rlinfer_vllm.server_mode import convert
+from rlinfer_vllm.server_mode.caps import server_capabilities
+from rlinfer_vllm.server_mode.http import ServerClient
+from rlinfer_vllm.server_mode.launch import ServerProcess, free_port, server_argv
+from rlinfer_vllm.server_mode.memory import ServerMemoryHooks
+from rlinfer_vllm.server_mode.weights import ServerWeightHooks
+
+#: how long abort() keeps re-aborting requests that the server had not registered yet
+ABORT_SETTLE_S = 2.0
+#: how often calls look for exited server processes
+PROCESS_CHECK_S = 0.2
+#: tries at binding a free port (another process may take it between the probe and the bind)
+PORT_TRIES = 3
+
+
+class VllmServerBackend(ServerWeightHooks, ServerMemoryHooks):
+    """rlinfer's hooks for one vLLM server, launched here or attached to."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.platform = resolve_platform(config, installed_platform())
+        found = installed_engine()
+        self.engine_version = f"{found[0]} {found[1]}" if found else "not installed"
+        self._caps = capabilities(self.platform, self.engine_version, config.enable_memory_release)
+        self._server: ServerProcess | None = None
+        self._http: ServerClient | None = None
+        self._closed = False
+        self._specs: dict[str, TensorSpec] = {}
+        self._info: ModelInfo | None = None
+        self._inflight: set[str] = set()
+        self._asleep: set[MemoryTag] = set()
+        self._implicitly_asleep: set[MemoryTag] = set()
+        #: the weight version live on the server (also its weight-version label)
+        self.version = 0
+        self._dead_pids: list[int] = []
+        self._procs_checked_at = 0.0
+        self._pause_lock = asyncio.Lock()
+        self._user_pause: PauseMode | None = None
+        self.start_seconds: float | None = None
+
+    # --- lifecycle -----------------------------------------------------------------------------
+
+    @hookimpl
+    async def rlinfer_start(self, config: EngineConfig) -> None:
+        """Launch ``vllm serve`` (or attach to ``server_url``), wait for /health, read the model's
+        facts and parameter specs from the worker, and label the weights version 0."""
+        started = time.perf_counter()
+        if config.server_url is None:
+            url = await self._launch(config)
+        else:
+            url = config.server_url.rstrip("/")
+        self._http = ServerClient(url, config.request_timeout_s, self._dead_processes if self._server else None)
+        if config.server_url is not None and not await self._http.healthy():
+            await self._http.aclose()
+            raise BackendLoadError(f"no healthy vLLM server at {url} (GET /health)")
+        try:
+            facts = await self._http.rpc("rlinfer_server_facts")
+            # dtype="auto": updates come in the checkpoint's dtypes (see the in-process backend)
+            specs = await self._http.rpc("rlinfer_attach", config.dtype == "auto")
+            await self._http.post("/update_weight_version", {"new_version": str(self.version)})
+        except RLInferError as exc:
+            await self.rlinfer_shutdown()
+            raise BackendLoadError(
+                f"the vLLM server at {url} does not serve rlinfer's control endpoints ({exc}); start it with "
+                "VLLM_SERVER_DEV_MODE=1, --enable-scale-out and "
+                "--worker-extension-cls rlinfer_vllm.worker.RLInferWorkerExtension"
+            ) from exc
+        self._specs = {name: TensorSpec(name, dtype, tuple(shape)) for name, dtype, shape in specs}
+        tied = {}
+        if facts["tie_word_embeddings"] and "lm_head.weight" not in self._specs:
+            tied["lm_head.weight"] = "model.embed_tokens.weight"
+        self._info = ModelInfo(
+            vocab_size=facts["vocab_size"],
+            max_model_len=facts["max_model_len"],
+            eos_token_ids=tuple(facts["eos_token_ids"]),
+            tied_weights=tied,
+        )
+        if facts["device"] != self.platform:
+            await self.rlinfer_shutdown()
+            raise BackendLoadError(f"the vLLM server runs on {facts['device']!r}, expected {self.platform!r}")
+        self._caps = server_capabilities(self._caps, facts, url, launched=self._server is not None)
+        self.start_seconds = time.perf_counter() - started
+
+    async def _launch(self, config: EngineConfig) -> str:
+        import httpx
+
+        kwargs = engine_args(config, self.platform)
+        loop = asyncio.get_running_loop()
+        async with httpx.AsyncClient() as probe:
+            for attempt in range(PORT_TRIES):
+                port = free_port()
+                argv = await loop.run_in_executor(None, server_argv, kwargs, "127.0.0.1", port)
+                server = ServerProcess(argv)
+                self._server = server
+                server.start(port)
+                try:
+                    await server.wait_healthy(probe)
+                    return server.url
+                except BackendLoadError as exc:
+                    await loop.run_in_executor(None, server.stop)
+                    if "address already in use" not in str(exc).lower() or attempt == PORT_TRIES - 1:
+                        raise
+                except BaseException:  # cancelled by the startup timeout
+                    await asyncio.shield(loop.run_in_executor(None, server.stop))
+                    raise
+        raise AssertionError("unreachable")
+
+    @hookimpl
+    def rlinfer_capabilities(self) -> Capabilities:
+        """Capabilities of this server (refined at start)."""
+        return self._caps
+
+    @hookimpl
+    def rlinfer_model_info(self) -> ModelInfo:
+        """Vocabulary size, context length and EOS ids of the served model."""
+        if self._info is None:
+            raise EngineDead("the vLLM server backend is not started")
+        return self._info
+
+    @hookimpl
+    async def rlinfer_check_health(self) -> None:
+        """EngineDead when a server process died or /health does not answer 200."""
+        http = self._alive()
+        if not await http.healthy():
+            raise EngineDead(f"the vLLM server at {http.url} is not healthy; open a new engine")
+
+    def _alive(self) -> ServerClient:
+        http = self._http
+        if self._closed or http is None:
+            raise EngineDead("the vLLM server backend is shut down; open a new engine")
+        http.check_processes()
+        return http
+
+    def _dead_processes(self) -> list[int]:
+        """Pids of the launched server's processes that exited (looked up at most every
+        PROCESS_CHECK_S unless one was found dead)."""
+        now = time.monotonic()
+        if self._server is not None and (now - self._procs_checked_at >= PROCESS_CHECK_S or self._dead_pids):
+            self._dead_pids = self._server.dead()
+            self._procs_checked_at = now
+        return self._dead_pids
+
+    @hookimpl
+    async def rlinfer_shutdown(self) -> None:
+        """Stop a launched server and every process it started; an attached server keeps running."""
+        if self._closed:
+            return
+        self._closed = True
+        http, self._http = self._http, None
+        if http is not None:
+            with contextlib.suppress(Exception):
+                await http.aclose()
+        server, self._server = self._server, None
+        if server is not None:
+            await asyncio.get_running_loop().run_in_executor(None, server.stop)
+
+    @hookimpl
+    def rlinfer_engine_processes(self) -> Mapping[str, int]:
+        """``{role: pid}`` of the launched server's processes (``APIServer``, ``EngineCore``,
+        ``Worker-0``...); none for an attached server (not this engine's to manage)."""
+        return {} if self._server is None else self._server.roles()
+
+    # --- generate ------------------------------------------------------------------------------
+
+    async def _prompt_ids(self, http: ServerClient, request: GenerateRequest) -> list[int]:
+        if request.prompt_token_ids is not None:
+            return list(request.prompt_token_ids)
+        assert request.messages is not None
+        self._caps.require(Capability.CHAT)
+        answer = await http.post(
+            "/tokenize",
+            {
+                "messages": [{"role": m.role, "content": m.content} for m in request.messages],
+                "add_generation_prompt": True,
+                "add_special_tokens": False,
+            },
+        )
+        ids = list(answer["tokens"])
+        if not ids:
+            raise InvalidRequest("messages", "the chat template produced an empty prompt")
+        if len(ids) >= self._max_len():
+            raise InvalidRequest(
+                "messages", f"the templated prompt has {len(ids)} tokens, max_model_len is {self._max_len()}"
+            )
+        return ids
+
+    def _max_len(self) -> int:
+        assert self._info is not None
+        return self._info.max_model_len
+
+    @hookimpl
+    async def rlinfer_generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:
+        """Every request concurrently (one HTTP call each); n completions per request, in order."""
+        self._alive()
+        tasks = [asyncio.ensure_future(self._complete(r)) for r in requests]
+        try:
+            results = await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        return [c for group in results for c in group]
+
+    async def _complete(self, request: GenerateRequest) -> list[Completion]:
+        http = self._alive()
+        ids = await self._prompt_ids(http, request)
+        payload = convert.body(request, ids, self._max_len(), stream=False)
+        started = time.perf_counter()
+        self._inflight.add(request.request_id)
+        try:
+            answer = await http.post("/inference/v1/generate", payload)
+        finally:
+            self._inflight.discard(request.request_id)
+        done = convert.completions(request, ids, answer, time.perf_counter() - started, self.version)
+        if not done:
+            return inproc_convert.aborted_before_output(request, ids, time.perf_counter() - started)
+        return inproc_convert.replicate(request, done)
+
+    @hookimpl
+    async def rlinfer_generate_stream(self, request: GenerateRequest) -> AsyncIterator[CompletionDelta]:
+        """Server-sent events of ``/inference/v1/generate``; each delta's tokens are stamped with
+        the version live when they arrive (see the README on how exact that is)."""
+        http = self._alive()
+        ids = await self._prompt_ids(http, request)
+        payload = convert.body(request, ids, self._max_len(), stream=True)
+        k = request.sampling.logprobs
+        self._inflight.add(request.request_id)
+        try:
+            async for chunk in http.stream("/inference/v1/generate", payload):
+                convert.raise_stream_error(chunk)
+                for choice in chunk.get("choices") or ():
+                    if choice.get("finish_reason") is not None:
+                        self._inflight.discard(request.request_id)
+                    count = len(choice.get("token_ids") or ())
+                    item = convert.delta(request.request_id, choice, k, (self.version,) * count)
+                    for copy in inproc_convert.replicate(request, [item]):
+                        yield copy
+        finally:
+            self._inflight.discard(request.request_id)
+
+    @hookimpl
+    async def rlinfer_abort(self, request_ids: Sequence[str] | None) -> None:
+        """Abort requests (None: every request of this engine in flight) through /abort_requests;
+        their callers get "abort" with the tokens so far."""
+        http = self._alive()
+        ids = list(self._inflight) if request_ids is None else list(request_ids)
+        if not ids:
+            return
+        await http.post("/abort_requests", {"request_ids": [convert.engine_request_id(i) for i in ids]})
+        # a request whose HTTP call is on its way is not registered in vLLM yet; abort again
+        # until every one of them has ended (bounded)
+        deadline = time.monotonic() + ABORT_SETTLE_S
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+            left = [i for i in ids if i in self._inflight]
+            if not left:
+                return
+            await http.post("/abort_requests", {"request_ids": [convert.engine_request_id(i) for i in left]})
+
+    @hookimpl
+    async def rlinfer_pause(self, mode: PauseMode) -> None:
+        """``POST /pause?mode=...``; "keep" keeps the frozen requests' KV cache."""
+        http = self._alive()
+        async with self._pause_lock:
+            await http.post("/pause", params={"mode": mode.value, "clear_cache": str(mode != PauseMode.KEEP).lower()})
+            self._user_pause = mode
+
+    @hookimpl
+    async def rlinfer_resume(self) -> None:
+        """``POST /resume``."""
+        http = self._alive()
+        async with self._pause_lock:
+            await http.post("/resume")
+            self._user_pause = None
+
+    @hookimpl
+    async def rlinfer_reset_prefix_cache(self) -> None:
+        """``POST /reset_prefix_cache``; if blocks are held, again with running requests reset."""
+        http = self._alive()
+        answer = await http.post("/reset_prefix_cache")
+        if not (answer or {}).get("success", False):
+            await http.post("/reset_prefix_cache", params={"reset_running_requests": "true"})
+
+
+def evolve_caps(caps: Capabilities, drop: Mapping[Capability, str]) -> Capabilities:
+    """``caps`` without ``drop``'s capabilities, each noted with its reason."""
+    notes = {**caps.notes, **{c.value: why for c, why in drop.items()}}
+    return attrs.evolve(caps, supported=caps.supported - set(drop), notes=notes)
+
+
+__all__ = ["VllmServerBackend", "evolve_caps"]
