@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
+
 from rlinfer_core.errors import BackendLoadError, EngineDead, RLInferError
 from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.model_info import ModelInfo
@@ -34,7 +35,6 @@ from rlinfer_core.types import (
 from rlinfer_core.weights import (
     TensorSpec,
 )
-
 from rlinfer_sglang.capabilities import OVERLAP_NOTE, capabilities, installed_platform, installed_version
 from rlinfer_sglang.config import resolve_platform
 from rlinfer_sglang.generation import Generation

@@ -11,7 +11,6 @@ from rlinfer_core.errors import EngineDead, InvalidRequest
 from rlinfer_core.model_info import ModelInfo
 from rlinfer_core.types import Capabilities, EngineConfig, MemoryTag
 from rlinfer_core.weights import TensorSpec
-
 from rlinfer_sglang.capabilities import Platform
 from rlinfer_sglang.versions import TokenVersions
 
@@ -54,6 +53,7 @@ class BackendBase:
     start_seconds: float | None
     _group_name: str = ""
     _processor_str: str = ""
+    _scoring: int = 0  #: raw-logprob scoring prefills in flight
     _versions: TokenVersions
 
     def _mark_dead(self, reason: str) -> None:

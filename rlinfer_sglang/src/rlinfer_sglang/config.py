@@ -36,7 +36,6 @@ from typing import Any
 
 from rlinfer_core.errors import BackendLoadError, InvalidRequest
 from rlinfer_core.types import EngineConfig
-
 from rlinfer_sglang.capabilities import Platform
 
 #: the scheduler-side loader (see rlinfer_sglang.scheduler_side) every engine is started with

@@ -66,7 +66,14 @@ def renormalises(request: GenerateRequest) -> bool:
     """True when the processed logprobs must be renormalised after truncation (SGLang's
     ``return_sampling_mask`` gives the sampled token's logprob in the truncated distribution)."""
     s = request.sampling
-    return s.logprobs_mode is LogprobsMode.PROCESSED and not s.greedy and s.truncates
+    return s.logprobs_mode is LogprobsMode.PROCESSED and not s.greedy and s.truncates and s.top_k != 1
+
+
+def point_mass(request: GenerateRequest) -> bool:
+    """True for sampled top_k=1: the processed distribution is all on the argmax (logprob 0);
+    SGLang refuses its sampling mask for it."""
+    s = request.sampling
+    return s.logprobs_mode is LogprobsMode.PROCESSED and not s.greedy and s.top_k == 1
 
 
 def stop_cut(request: GenerateRequest, tokens: Sequence[int]) -> int | None:
@@ -168,6 +175,9 @@ def completion(
         lps, tops = list(logprobs), None if top is None else [dict(t) for t in top]
         renormalise(meta, lps, tops)
         logprobs, top = tuple(lps), None if tops is None else tuple(tops)
+    elif point_mass(request):
+        logprobs = (0.0,) * len(logprobs)
+        top = None if top is None else tuple({t: 0.0} for t in tokens[: len(top)])
     cut = stop_cut(request, tokens)
     if cut is not None and (cut < len(tokens) or reason is not FinishReason.ABORT):
         tokens, logprobs, reason, stop_reason = tokens[:cut], logprobs[:cut], FinishReason.STOP, tokens[cut - 1]
@@ -211,6 +221,8 @@ def delta(
     logprobs = token_logprobs(meta)
     if renormalises(request):
         renormalise(meta, logprobs, None)
+    elif point_mass(request):
+        logprobs = [0.0] * len(logprobs)
     reason, stop_reason = finish(meta, request)
     cut = stop_cut(request, tokens)
     if cut is not None:

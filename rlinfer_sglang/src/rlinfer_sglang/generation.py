@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any
 
 import attrs
+
 from rlinfer_core.errors import InvalidRequest, RLInferError
 from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.types import (
@@ -17,7 +19,6 @@ from rlinfer_core.types import (
     GenerateRequest,
     LogprobsMode,
 )
-
 from rlinfer_sglang import convert
 from rlinfer_sglang.inflight import InFlight
 
@@ -96,15 +97,35 @@ class Generation(InFlight):
             if k in outs:
                 c = convert.completion(r, i, ids, outs[k], latency)
                 c = attrs.evolve(c, token_versions=self._versions.of(rids[k], len(c.token_ids)))
-                if r.sampling.logprobs_mode is LogprobsMode.RAW and c.token_ids:
-                    lps, top = await self._raw_logprobs(ids, list(c.token_ids), 0, r.sampling.logprobs)
-                    c = attrs.evolve(c, logprobs=lps, top_logprobs=top if r.sampling.logprobs else c.top_logprobs)
             else:
                 c = convert.aborted_before_output(r, i, ids, latency)
             completions.append(c)
         for rid in rids:
             self._versions.forget(rid)
-        return completions
+        return await self._with_raw_logprobs(samples, completions)
+
+    async def _with_raw_logprobs(
+        self, samples: list[tuple[GenerateRequest, int, list[int]]], completions: list[Completion]
+    ) -> list[Completion]:
+        """Replace the logprobs of raw-mode completions by scored raw ones (all at once)."""
+        raw = [
+            k
+            for k, ((r, _, _), c) in enumerate(zip(samples, completions, strict=True))
+            if r.sampling.logprobs_mode is LogprobsMode.RAW and c.token_ids
+        ]
+        if not raw:
+            return completions
+        scored = await asyncio.gather(
+            *(
+                self._raw_logprobs(samples[k][2], list(completions[k].token_ids), 0, samples[k][0].sampling.logprobs)
+                for k in raw
+            )
+        )
+        out = list(completions)
+        for k, (lps, top) in zip(raw, scored, strict=True):
+            tops = top if samples[k][0].sampling.logprobs else out[k].top_logprobs
+            out[k] = attrs.evolve(out[k], logprobs=lps, top_logprobs=tops)
+        return out
 
     def _tm_generate_batch(self, samples: list[tuple[GenerateRequest, int, list[int]]], rids: list[str]) -> Any:
         from sglang.srt.managers.io_struct import GenerateReqInput
@@ -130,6 +151,21 @@ class Generation(InFlight):
         ``prompt + tokens`` in one prefill: its input-token logprobs are ``log_softmax`` of the
         model's raw logits (computed by the weights serving now).
         """
+
+        assert self._gate is not None
+        while not self._gate.is_set():  # paused: score after resume (see rlinfer_pause)
+            self._alive()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._gate.wait(), timeout=0.05)
+        self._scoring += 1
+        try:
+            return await self._score(prompt, tokens, start, top)
+        finally:
+            self._scoring -= 1
+
+    async def _score(
+        self, prompt: list[int], tokens: list[int], start: int, top: int
+    ) -> tuple[tuple[float, ...], tuple[dict[int, float], ...]]:
         from sglang.srt.managers.io_struct import GenerateReqInput
 
         obj = GenerateReqInput(

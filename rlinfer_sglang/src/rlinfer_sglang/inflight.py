@@ -14,7 +14,6 @@ from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.types import (
     PauseMode,
 )
-
 from rlinfer_sglang.base import BackendBase
 
 
@@ -98,6 +97,10 @@ class InFlight(BackendBase):
         if mode is PauseMode.WAIT:
             await self._guard(self._idle.wait())
             return
+        # raw-logprob scoring prefills already sent finish first (they are short); later ones
+        # wait at the gate, so SGLang's pause never aborts or retracts one
+        while self._scoring:
+            await self._guard(asyncio.sleep(0.01))
         sglang_mode = "abort" if mode is PauseMode.ABORT else "retract"
         if mode is PauseMode.ABORT:
             for rid in [r for rids in self._rids.values() for r in rids]:

@@ -7,7 +7,6 @@ from rlinfer_core.types import (
     Capability,
     MemoryTag,
 )
-
 from rlinfer_sglang.inflight import InFlight
 from rlinfer_sglang.weight_channel import WeightChannel
 

@@ -21,13 +21,12 @@ import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from rlinfer_core import processes
 from rlinfer_core.errors import BackendLoadError
 from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.types import (
     EngineConfig,
 )
-
-from rlinfer_core import processes
 from rlinfer_sglang.base import BackendBase
 from rlinfer_sglang.config import needs_context_override, server_args
 

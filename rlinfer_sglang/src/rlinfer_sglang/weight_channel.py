@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
+
 from rlinfer_core.errors import InvalidRequest, RLInferError, WeightUpdateError
 from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.types import Capability
@@ -29,7 +30,6 @@ from rlinfer_core.weights import (
     TensorSpec,
     WeightUpdate,
 )
-
 from rlinfer_sglang.base import BackendBase
 from rlinfer_sglang.config import WEIGHT_LOADER
 

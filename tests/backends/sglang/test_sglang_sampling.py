@@ -31,6 +31,7 @@ CASES = {
     "temperature": {"temperature": 0.7},
     "top_p": {"temperature": 0.8, "top_p": 0.9},
     "top_k": {"temperature": 0.8, "top_k": 5},
+    "top_k_1": {"temperature": 0.8, "top_k": 1},
     "min_p": {"temperature": 0.8, "min_p": 0.05},
     "repetition_greedy": {"temperature": 0.0, "repetition_penalty": 1.3},
     "repetition_below_1": {"temperature": 0.9, "repetition_penalty": 0.7},
