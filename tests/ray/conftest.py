@@ -24,7 +24,6 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def pool(model_dirs: dict[str, Path]) -> Iterator[Any]:
     from rlinfer_conformance.world import default_config
-
     from rlinfer_ray import PoolConfig, open_pool
 
     engine = open_pool(BACKEND, default_config(model_dirs["base"], {}), pool=PoolConfig(replicas=2))

@@ -14,6 +14,7 @@ from typing import Any
 
 import attrs
 import pytest
+
 from rlinfer_core.errors import EngineDead, WeightUpdateError
 from rlinfer_core.types import FinishReason, GenerateRequest, SamplingParams
 from rlinfer_core.weights import NamedTensors
