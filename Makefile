@@ -8,7 +8,7 @@ VENVS := .venvs
 DEMO_BACKEND ?= vllm
 DEMO_OUT ?= out/demo
 
-.PHONY: env-core env-vllm env-sglang envs demo test lint typecheck test-core test-vllm test-sglang test-ray test-server clean-envs
+.PHONY: env-core env-vllm env-sglang envs demo test lint typecheck test-core test-vllm test-sglang test-ray test-server test-wheels clean-envs
 
 env-core: $(VENVS)/core/.built
 env-vllm: $(VENVS)/vllm/.built
@@ -56,7 +56,12 @@ test-ray: env-vllm env-sglang
 test-server: env-vllm
 	timeout 1500 $(VENVS)/vllm/bin/python -m pytest tests/server -q -p no:cacheprovider
 
-test: lint typecheck test-core test-vllm test-sglang test-ray test-server
+# Packaging: wheel + sdist of every distribution, installed (not editable) into a fresh venv;
+# `rlinfer backends` must list both backends from there (< 1 min once the build tools exist).
+test-wheels:
+	PYTHON=$(PYTHON) bash envs/test_wheels.sh
+
+test: lint typecheck test-core test-wheels test-vllm test-sglang test-ray test-server
 
 clean-envs:
 	rm -rf $(VENVS)

@@ -132,7 +132,7 @@ def _cmd_backends(args: argparse.Namespace) -> int:
             f"[red]failed to load[/red] {err['group']}:{err['name']} from {err['distribution']}: {err['error']}"
         )
     if not report["backends"]:
-        console.print("No backend installed: `pip install rlinfer-vllm[cpu]` or `pip install rlinfer-sglang`.")
+        console.print("No backend installed: `pip install rlinfer-vllm` or `pip install rlinfer-sglang` (GPU).")
     return 0
 
 

@@ -74,7 +74,7 @@ class BackendInfo:
             )
         raise BackendLoadError(
             f"backend {self.name!r} needs its engine ({needed}), which is not installed. "
-            f"Install it, e.g. `pip install rlinfer-{self.name}[cpu]` or `[gpu]`, or use the "
+            f"Install it: `pip install rlinfer-{self.name}` brings the GPU build; for CPU use the "
             f"project's `make env-{self.name}`."
         )
 
