@@ -16,6 +16,7 @@ import attrs
 import pytest
 import torch
 from recording_double import INSTANCES, RecordingDoubleBackend
+
 from rlinfer_core.agent import derive_capabilities
 from rlinfer_core.chat_template import TemplateContinuityError, load_tokenizer
 from rlinfer_core.engine import AsyncEngine

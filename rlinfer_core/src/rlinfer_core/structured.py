@@ -128,7 +128,7 @@ class StructuredOutput:
             return text in self.value
         if self.kind is StructuredKind.REGEX:
             return re.fullmatch(self.value, text) is not None
-        import jsonschema  # type: ignore[import-untyped]
+        import jsonschema
 
         try:
             document = json.loads(text)

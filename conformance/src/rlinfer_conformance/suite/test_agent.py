@@ -8,14 +8,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
+
+from rlinfer_conformance.agent_oracle import add_merged_lora, make_lora_tensors, raw_logprobs, save_peft_dir
+from rlinfer_conformance.world import BASE, LOGPROB_TOLERANCE, OTHER, KitWorld
 from rlinfer_core.lora import LoraAdapter
 from rlinfer_core.scoring import ScoreRequest
 from rlinfer_core.session import NO_VERSION, SessionResult
 from rlinfer_core.tools import ToolSpec
 from rlinfer_core.types import Capability, ChatMessage, Completion, GenerateRequest, SamplingParams
-
-from rlinfer_conformance.agent_oracle import add_merged_lora, make_lora_tensors, raw_logprobs, save_peft_dir
-from rlinfer_conformance.world import BASE, LOGPROB_TOLERANCE, OTHER, KitWorld
 
 __all__ = [
     "test_session_episode_with_scripted_tool",
