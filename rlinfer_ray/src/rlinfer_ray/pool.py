@@ -376,8 +376,13 @@ class EnginePool(PoolAgent, ControlPlane):
         """Abort requests (``None``: all in flight on every replica); callers get partial tokens."""
         self._ensure_open()
         self._caps().require(Capability.ABORT)
+        timeout = self.pool_config.control_timeout_s
         if request_ids is None:
-            await self._control("abort", self.replicas.serving(), None)
+            results = await self.replicas.fan_out(
+                self.replicas.serving(),
+                lambda r: self.replicas.call_raw(r, r.actor.abort.remote(None), timeout, "abort"),
+            )
+            self._raise_first(results)
             return
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         per_replica: dict[int, list[str]] = {}
@@ -385,9 +390,9 @@ class EnginePool(PoolAgent, ControlPlane):
             for index, sub in self._routes.get(rid, ()):
                 per_replica.setdefault(index, []).append(sub)
         members = [r for r in self.replicas.serving() if r.index in per_replica]
-        timeout = self.pool_config.control_timeout_s
         results = await self.replicas.fan_out(
-            members, lambda r: self.replicas.call(r, "abort", per_replica[r.index], timeout=timeout)
+            members,
+            lambda r: self.replicas.call_raw(r, r.actor.abort.remote(per_replica[r.index]), timeout, "abort"),
         )
         self._raise_first(results)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -19,6 +20,8 @@ from rlinfer_core.types import EngineConfig, GenerateRequest
 
 Reply = tuple[str, Any]
 
+#: how long an abort keeps re-aborting requests that are still in flight
+ABORT_SETTLE_S = 2.0
 #: attributes of an rlinfer error that are carried along with its message
 _ERROR_ATTRS = ("field", "problems", "capability", "backend", "reason")
 
@@ -90,6 +93,22 @@ class ReplicaActor:
             if asyncio.iscoroutine(value):
                 value = await value
             return ("ok", dict(value) if isinstance(value, Mapping) else value)
+        except Exception as exc:
+            return ("err", pack_error(exc))
+
+    async def abort(self, request_ids: list[str] | None) -> Reply:
+        """Abort, then abort again (briefly) what is still in flight: a request the facade had
+        admitted but the engine had not registered yet when the first abort came is not lost."""
+        try:
+            if self.engine is None:
+                raise errors.EngineDead(f"replica {self.index} has no engine")
+            targets = set(self.engine.in_flight if request_ids is None else request_ids)
+            await self.engine.abort(request_ids)
+            deadline = time.monotonic() + ABORT_SETTLE_S
+            while (left := targets & self.engine.in_flight) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+                await self.engine.abort(sorted(left))
+            return ("ok", None)
         except Exception as exc:
             return ("err", pack_error(exc))
 
