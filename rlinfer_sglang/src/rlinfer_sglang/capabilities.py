@@ -40,6 +40,7 @@ COMMON: frozenset[Capability] = frozenset(
         Capability.WEIGHTS_DISK,
         Capability.WEIGHTS_BROADCAST,
         Capability.PREFIX_CACHE_RESET,
+        Capability.BENCH,
     }
 )
 

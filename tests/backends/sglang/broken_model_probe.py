@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import psutil
+
 from rlinfer_core.engine import Engine
 from rlinfer_core.errors import BackendLoadError
 from rlinfer_core.tiny_model import make_tiny_model

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 import psutil
+
 from rlinfer_core.engine import AsyncEngine
 from rlinfer_core.errors import EngineDead
 from rlinfer_core.tiny_model import make_tiny_model

@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("sglang")
 
 import psutil
+
 from rlinfer_core.engine import Engine
 from rlinfer_core.errors import EngineDead
 from rlinfer_core.tiny_model import make_tiny_model

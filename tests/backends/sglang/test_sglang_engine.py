@@ -19,6 +19,7 @@ pytest.importorskip("sglang")
 
 import psutil
 import torch
+
 from rlinfer_core.engine import Engine
 from rlinfer_core.errors import EngineDead
 from rlinfer_core.tiny_model import make_tiny_model

@@ -18,6 +18,7 @@ import pytest
 pytest.importorskip("sglang")
 
 import torch
+
 from rlinfer_core.engine import Engine
 from rlinfer_core.tiny_model import make_tiny_model
 from rlinfer_core.types import Capability, GenerateRequest, LogprobsMode, SamplingParams

@@ -15,6 +15,7 @@ import pytest
 pytest.importorskip("sglang")
 
 import torch
+
 from rlinfer_core.engine import Engine
 from rlinfer_core.tiny_model import TinyModelSpec, make_tiny_model
 from rlinfer_core.types import GenerateRequest, SamplingParams
