@@ -189,7 +189,7 @@ def test_reset_prefix_cache(rlinfer_base_weights: KitWorld) -> None:
     stale = world.oracle.check_all(OTHER, requests, completions)
     if stale.max_abs_logprob_delta <= LOGPROB_TOLERANCE and not stale.argmax_mismatches:
         pytest.skip(
-            "premise not met: the engine's own reload already dropped its prefix cache (SGLang's "
+            "premise not met: the engine's own reload already dropped its prefix cache (e.g. SGLang's "
             "update_weights_from_disk flushes it), so a no-op reset cannot be told apart here"
         )
     world.engine.reset_prefix_cache()
