@@ -243,7 +243,8 @@ def test_backends_cli_json(site: Path) -> None:
     assert good["usable"] is True
     assert good["engine"] == "fakeengine" and good["engine_version"] == "1.5"
     assert good["summary"] == "a good one"
-    assert good["capabilities"]["supported"] == ["generate.stream"]
+    # sessions are derived by the facade from generate alone (rlinfer_core.agent.derive_capabilities)
+    assert good["capabilities"]["supported"] == ["generate.stream", "sessions"]
     assert "generate.chat" in good["capabilities"]["unsupported"]
     assert good["capabilities"]["notes"] == {"generate.chat": "not on this engine"}
     assert rows["old"]["usable"] is False and "oldengine==1.0" in rows["old"]["error"]
