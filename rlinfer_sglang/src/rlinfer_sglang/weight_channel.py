@@ -130,10 +130,6 @@ class WeightChannel(BackendBase):
     @hookimpl
     async def rlinfer_update_weights(self, update: WeightUpdate) -> None:
         """Hand the (validated) update to the scheduler, which checks all of it, then loads."""
-        from rlinfer_core.transfer import ipc
-
-        source = update.source
-        control: dict[str, Any]
         in_flight: list[str] = []
         dispatched: set[str] = set()
 
@@ -143,6 +139,39 @@ class WeightChannel(BackendBase):
             states = getattr(self._tm, "rid_to_state", {})
             dispatched.update(r for r in in_flight if getattr(states.get(r), "dispatched", True))
 
+        # SGLang would apply an unpaused update only after every running request finished (its
+        # model-update lock); rlinfer applies it between engine steps, as vLLM does: running
+        # requests are retracted (they keep their tokens) for the update and continue after it
+        hold = self._active > 0 and not self._sglang_paused and not self._memory_paused
+        if hold:
+            await self._sglang_pause_retract()
+        try:
+            outcome = await self._load(update, snapshot)
+        finally:
+            if hold:
+                await self._sglang_continue()
+        version = update.version if update.version is not None else self._versions.current + 1
+        lengths = outcome.get("lengths")
+        if lengths is None:
+            logger.warning("the scheduler did not report request lengths; in-flight tokens keep the old version")
+            lengths, dispatched = {}, set(in_flight)
+        self._versions.loaded(version, in_flight, dispatched, lengths)
+
+    async def _sglang_pause_retract(self) -> None:
+        from sglang.srt.managers.io_struct import PauseGenerationReqInput
+
+        await self._guard(self._alive().pause_generation(PauseGenerationReqInput(mode="retract")))
+
+    async def _sglang_continue(self) -> None:
+        from sglang.srt.managers.io_struct import ContinueGenerationReqInput
+
+        await self._guard(self._alive().continue_generation(ContinueGenerationReqInput()))
+
+    async def _load(self, update: WeightUpdate, snapshot: Callable[[], None]) -> dict[str, Any]:
+        from rlinfer_core.transfer import ipc
+
+        source = update.source
+        control: dict[str, Any]
         cuda_buckets = ipc.pack_cuda(source.tensors) if isinstance(source, NamedTensors) else None
         if cuda_buckets is not None:
             outcome = await self._send_buckets(cuda_buckets, snapshot)
@@ -161,12 +190,7 @@ class WeightChannel(BackendBase):
             outcome = await self._scheduler_op(control, flush=True, before_send=snapshot)
         else:
             raise WeightUpdateError(f"unknown weight source {type(source).__name__}")
-        version = update.version if update.version is not None else self._versions.current + 1
-        lengths = outcome.get("lengths")
-        if lengths is None:
-            logger.warning("the scheduler did not report request lengths; in-flight tokens keep the old version")
-            lengths, dispatched = {}, set(in_flight)
-        self._versions.loaded(version, in_flight, dispatched, lengths)
+        return outcome
 
     async def _send_buckets(self, buckets: Sequence[Bucket], before_send: Callable[[], None]) -> dict[str, Any]:
         manifests = [attrs.asdict(b.manifest) for b in buckets]

@@ -79,27 +79,35 @@ def test_engine_processes_are_tracked(engine: Engine) -> None:
     assert sorted(roles) == ["detokenizer", "scheduler"] and sorted(roles.values()) == sorted(pids)
 
 
-def test_token_versions_switch_at_the_load(engine: Engine, models: tuple[Path, Path]) -> None:
-    """pause(keep) + update + resume: tokens before the pause carry version 0 and come from the
-    first model; tokens after resume carry the new version and continue with the second model."""
+@pytest.mark.parametrize("paused", [True, False], ids=["pause_keep", "unpaused"])
+def test_token_versions_switch_at_the_load(engine: Engine, models: tuple[Path, Path], paused: bool) -> None:
+    """pause(keep) + update + resume, or an update while the request runs: tokens before the
+    load carry the old version and come from the first model; tokens after it carry the new
+    version and continue with the second model."""
     request = _greedy([1, 23], 120, ignore_eos=True)
+    old = engine.weight_version
     stream = engine.stream(request)
     before = []
     while len(before) < 8:  # premise: the request is running and has produced tokens
         delta = next(stream)
-        assert delta.token_versions == (0,) * len(delta.token_ids)
+        assert delta.token_versions == (old,) * len(delta.token_ids)
         before.extend(delta.token_ids)
-    engine.pause(PauseMode.KEEP)
-    try:
+    if paused:
+        engine.pause(PauseMode.KEEP)
+        try:
+            version = engine.update_weights(_disk(models[1]))
+        finally:
+            engine.resume()
+    else:
+        assert request.request_id in engine.in_flight
         version = engine.update_weights(_disk(models[1]))
-    finally:
-        engine.resume()
+        assert request.request_id in engine.in_flight, "premise: the update landed mid-request"
     rest = list(stream)
     tokens = before + [t for d in rest for t in d.token_ids]
-    versions = [0] * len(before) + [v for d in rest for v in (d.token_versions or ())]
+    versions = [old] * len(before) + [v for d in rest for v in (d.token_versions or ())]
     assert len(tokens) == len(versions) == 120
     switch = versions.index(version)
-    assert set(versions[:switch]) == {0} and set(versions[switch:]) == {version}
+    assert set(versions[:switch]) == {old} and set(versions[switch:]) == {version}
     assert switch >= len(before), "tokens streamed before the pause keep the old version"
     assert tokens[:switch] == _hf_greedy(models[0], [1, 23], switch), "old tokens: the first model"
     assert tokens[switch:] == _hf_greedy(models[1], [1, 23, *tokens[:switch]], 120 - switch), "then the second"
