@@ -187,6 +187,15 @@ def _long(count: int) -> list[GenerateRequest]:
     return [GenerateRequest(prompt_token_ids=[1, 20 + i], sampling=params) for i in range(count)]
 
 
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def _wait_busy(pool: Any, index: int) -> None:
     deadline = time.monotonic() + 30
     while pool.pool.replicas.replicas[index].load == 0:
@@ -196,6 +205,8 @@ def _wait_busy(pool: Any, index: int) -> None:
 
 def test_replica_killed_mid_generate_is_retried_and_restarted(pool: Any) -> None:
     requests = _long(4)
+    orphans = list(pool.pool.replicas.replicas[0].procs)
+    assert orphans, "the replica reported its engine processes"
     with concurrent.futures.ThreadPoolExecutor(1) as helper:
         future = helper.submit(pool.generate, requests)
         _wait_busy(pool, 0)
@@ -207,6 +218,7 @@ def test_replica_killed_mid_generate_is_retried_and_restarted(pool: Any) -> None
     pool.wait_ready(RESTART_BOUND_S)
     print(f"replica restart after a kill: {time.monotonic() - started:.1f} s")
     assert pool.pool.replicas.replicas[0].restarts >= 1
+    assert not [pid for pid, _ in orphans if _alive(pid)], "the killed replica's engine processes are gone"
     assert len(pool.generate(_greedy(PROMPTS * 2))) == 8
 
 
