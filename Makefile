@@ -42,6 +42,11 @@ test-vllm: env-vllm
 test-sglang: env-sglang
 	$(VENVS)/sglang/bin/python -m pytest tests/backends/test_sglang_conformance.py tests/backends/sglang -q --rlinfer-backend sglang --rlinfer-report out/conformance-sglang.json
 
+# the kit against the vLLM backend in server mode: a real `vllm serve` child process driven over
+# HTTP (main engine, two extra architectures, fault matrix)
+test-vllm-server: env-vllm
+	timeout 2400 $(VENVS)/vllm/bin/rlinfer conformance --backend vllm --report out/conformance-vllm-server.json -- --rlinfer-config mode=server
+
 # rlinfer-ray: pool tests (two vLLM replicas on a local Ray cluster), then the kit against a pool
 # of two replicas for each backend (rlinfer conformance --backend X --replicas 2). The kit tests
 # that open engines of their own (extra architectures, process kills) test one engine, not the

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import contextlib
 import json
 import os
@@ -121,6 +122,7 @@ class ServerProcess:
                 env=env,
             )
         self.url = f"http://{HOST}:{port}"
+        atexit.register(self.stop)  # an interpreter that exits without shutdown() stops it too
 
     @property
     def pid(self) -> int | None:
@@ -193,6 +195,7 @@ class ServerProcess:
         proc = self._proc
         if proc is None:
             return
+        atexit.unregister(self.stop)
         with contextlib.suppress(ProcessLookupError):
             proc.terminate()
         deadline = time.monotonic() + SHUTDOWN_GRACE_S
