@@ -15,6 +15,8 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
+
+from rlinfer_core import processes
 from rlinfer_core.errors import (
     BackendLoadError,
     EngineDead,
@@ -23,6 +25,7 @@ from rlinfer_core.errors import (
 )
 from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.model_info import ModelInfo
+from rlinfer_core.tools import ToolCalls, ToolSpec
 from rlinfer_core.types import (
     Capabilities,
     Capability,
@@ -30,19 +33,21 @@ from rlinfer_core.types import (
     CompletionDelta,
     EngineConfig,
     GenerateRequest,
+    LogprobsMode,
     MemoryTag,
     PauseMode,
 )
 from rlinfer_core.weights import (
     TensorSpec,
 )
-
-from rlinfer_core import processes
 from rlinfer_vllm import convert
 from rlinfer_vllm.bench import BenchHooks
 from rlinfer_vllm.capabilities import capabilities, installed_engine, installed_platform
 from rlinfer_vllm.config import engine_args, resolve_platform
+from rlinfer_vllm.lora import LoraHooks
 from rlinfer_vllm.memory import MemoryHooks
+from rlinfer_vllm.raw import RawLogprobs, delta_tokens
+from rlinfer_vllm.tools import ToolParsing
 from rlinfer_vllm.versions import TokenVersions
 from rlinfer_vllm.weights import WeightHooks
 
@@ -69,7 +74,7 @@ def create(config: EngineConfig) -> Any:
     return VllmBackend(config)
 
 
-class VllmBackend(WeightHooks, MemoryHooks, BenchHooks):
+class VllmBackend(WeightHooks, MemoryHooks, BenchHooks, LoraHooks, RawLogprobs):
     """Implements rlinfer's operation hooks for one vLLM engine."""
 
     def __init__(self, config: EngineConfig) -> None:
@@ -78,7 +83,11 @@ class VllmBackend(WeightHooks, MemoryHooks, BenchHooks):
         found = installed_engine()
         self.engine_version = f"{found[0]} {found[1]}" if found else "not installed"
         self._caps = capabilities(
-            self.platform, self.engine_version, config.enable_memory_release if self.platform == "cuda" else None
+            self.platform,
+            self.engine_version,
+            config.enable_memory_release if self.platform == "cuda" else None,
+            inprocess=True,
+            lora=bool(config.engine_kwargs.get("enable_lora", False)),
         )
         self._llm: AsyncLLM | None = None
         self._closed = False
@@ -95,6 +104,8 @@ class VllmBackend(WeightHooks, MemoryHooks, BenchHooks):
         self._pause_lock = asyncio.Lock()
         self._user_pause: PauseMode | None = None
         self.start_seconds: float | None = None
+        self._tool_parsing: ToolParsing | None = None
+        self._lora_init()
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -159,6 +170,10 @@ class VllmBackend(WeightHooks, MemoryHooks, BenchHooks):
         if device != self.platform:
             raise BackendLoadError(f"vLLM runs on {device!r}, expected {self.platform!r}")
         caps = self._caps
+        if Capability.LORA in caps.supported and llm.vllm_config.lora_config is None:
+            notes = dict(caps.notes)
+            notes[Capability.LORA.value] = "vLLM started without a LoRA config (enable_lora)"
+            caps = attrs.evolve(caps, supported=caps.supported - {Capability.LORA}, notes=notes)
         if llm.model_config.quantization is not None or self.config.tensor_parallel_size != 1:
             notes = dict(caps.notes)
             notes[Capability.WEIGHTS_CHECKSUM.value] = "needs an unquantized model and tensor_parallel_size=1"
@@ -226,6 +241,7 @@ class VllmBackend(WeightHooks, MemoryHooks, BenchHooks):
                 llm.shutdown = _already_shut_down  # type: ignore[method-assign,unused-ignore]
             finally:
                 await asyncio.get_running_loop().run_in_executor(None, processes.reap, self._engine_procs)
+                self._lora_cleanup()
 
     def engine_processes(self) -> list[int]:
         """Pids of the processes the engine started that are still running."""
@@ -260,9 +276,11 @@ class VllmBackend(WeightHooks, MemoryHooks, BenchHooks):
         tokenizer = llm.tokenizer
         if tokenizer is None:
             raise InvalidRequest("messages", "the engine has no tokenizer; send prompt_token_ids")
+        tools = [t.to_openai() for t in request.tools] if request.tools else None
         try:
             text = tokenizer.apply_chat_template(
                 [{"role": m.role, "content": m.content} for m in request.messages],
+                tools=tools,
                 tokenize=False,
                 add_generation_prompt=True,
             )
@@ -305,26 +323,31 @@ class VllmBackend(WeightHooks, MemoryHooks, BenchHooks):
         params = convert.sampling_params(request, len(ids), self._max_len(), RequestOutputKind.FINAL_ONLY)
         started = time.perf_counter()
         last = None
-        self._inflight.add(request.request_id)
+        served = self._lora_acquire(request.lora)
+        lora = served.request if served is not None else None
         try:
-            async for out in llm.generate(tokens_input(ids), params, request.request_id):
-                last = out
-        except Exception as exc:
-            raise self._translate(exc) from exc
-        finally:
-            self._inflight.discard(request.request_id)
-        versions = self._versions
-        assert versions is not None
-        latency = time.perf_counter() - started
-        if last is None:
+            self._inflight.add(request.request_id)
+            try:
+                async for out in llm.generate(tokens_input(ids), params, request.request_id, lora_request=lora):
+                    last = out
+            except Exception as exc:
+                raise self._translate(exc) from exc
+            finally:
+                self._inflight.discard(request.request_id)
+            versions = self._versions
+            assert versions is not None
+            latency = time.perf_counter() - started
+            if last is None:
+                versions.forget(request.request_id, params.n)
+                return convert.aborted_before_output(request, ids, latency)
+            done = [
+                attrs.evolve(c, token_versions=versions.take(request.request_id, c.index, len(c.token_ids)))
+                for c in convert.completions(request, last, latency)
+            ]
             versions.forget(request.request_id, params.n)
-            return convert.aborted_before_output(request, ids, latency)
-        done = [
-            attrs.evolve(c, token_versions=versions.take(request.request_id, c.index, len(c.token_ids)))
-            for c in convert.completions(request, last, latency)
-        ]
-        versions.forget(request.request_id, params.n)
-        return convert.replicate(request, done)
+            return convert.replicate(request, await self._with_raw(request, ids, done, lora))
+        finally:
+            await self._lora_done(served)
 
     @hookimpl
     async def rlinfer_generate_stream(self, request: GenerateRequest) -> AsyncIterator[CompletionDelta]:
@@ -337,9 +360,13 @@ class VllmBackend(WeightHooks, MemoryHooks, BenchHooks):
         params = convert.sampling_params(request, len(ids), self._max_len(), RequestOutputKind.DELTA)
         versions = self._versions
         assert versions is not None
+        served = self._lora_acquire(request.lora)
+        lora = served.request if served is not None else None
+        raw = request.sampling.logprobs_mode is LogprobsMode.RAW
+        seen: dict[int, list[int]] = {}
         self._inflight.add(request.request_id)
         try:
-            async for out in llm.generate(tokens_input(ids), params, request.request_id):
+            async for out in llm.generate(tokens_input(ids), params, request.request_id, lora_request=lora):
                 if out.finished:  # ended in the engine; the consumer may read it later
                     self._inflight.discard(request.request_id)
                 for o in out.outputs:
@@ -347,13 +374,19 @@ class VllmBackend(WeightHooks, MemoryHooks, BenchHooks):
                     if o.token_ids or finished:
                         delta = convert.delta(request.request_id, o, finished)
                         stamps = versions.take(request.request_id, o.index, len(delta.token_ids))
-                        for item in convert.replicate(request, [attrs.evolve(delta, token_versions=stamps)]):
+                        delta = attrs.evolve(delta, token_versions=stamps)
+                        if raw and delta.token_ids:
+                            so_far, start = delta_tokens(seen, o.index, delta.token_ids)
+                            lps, _ = await self._raw_score(ids, so_far, start, 0, lora)
+                            delta = attrs.evolve(delta, logprobs=lps)
+                        for item in convert.replicate(request, [delta]):
                             yield item
         except Exception as exc:
             raise self._translate(exc) from exc
         finally:
             self._inflight.discard(request.request_id)
             versions.forget(request.request_id, params.n)
+            await self._lora_done(served)
 
     def _translate(self, exc: Exception) -> Exception:
         import vllm.exceptions
@@ -397,6 +430,7 @@ class VllmBackend(WeightHooks, MemoryHooks, BenchHooks):
         """vLLM's pause_generation; "keep" also keeps the KV cache of the frozen requests."""
         llm = self._alive()
         async with self._pause_lock:
+            await self._drain_scoring(self.config.request_timeout_s)  # raw-logprob prefills: short
             await llm.pause_generation(mode=mode.value, clear_cache=mode != PauseMode.KEEP)
             self._user_pause = mode
 
@@ -407,6 +441,15 @@ class VllmBackend(WeightHooks, MemoryHooks, BenchHooks):
         async with self._pause_lock:
             await llm.resume_generation()
             self._user_pause = None
+
+    # --- tools -----------------------------------------------------------------------------------
+
+    @hookimpl
+    def rlinfer_parse_tool_calls(self, text: str, parser: str, tools: Sequence[ToolSpec]) -> ToolCalls:
+        """Tool calls in ``text`` by vLLM's own parser (:mod:`rlinfer_vllm.tools`)."""
+        if self._tool_parsing is None:
+            self._tool_parsing = ToolParsing(self._alive().tokenizer)
+        return self._tool_parsing.parse(text, parser, tools)
 
     # --- weight sync ---------------------------------------------------------------------------
 

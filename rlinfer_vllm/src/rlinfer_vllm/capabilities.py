@@ -49,11 +49,30 @@ COMMON: frozenset[Capability] = frozenset(
     }
 )
 
-SHARED_NOTES = {
+#: implemented by the in-process backend only (server mode does not claim them)
+INPROCESS: frozenset[Capability] = frozenset({Capability.TOOLS, Capability.STRUCTURED, Capability.LOGPROBS_RAW})
+
+INPROCESS_NOTES = {
     Capability.LOGPROBS_RAW.value: (
-        "vLLM's logprobs_mode is one setting per engine (no per-request mode in vLLM 0.26-0.32); rlinfer "
-        "runs it as processed_logprobs, which the default mode needs"
+        "vLLM's logprobs_mode is one setting per engine (rlinfer runs processed_logprobs); raw logprobs come "
+        "from one scoring prefill over prompt + output after the request (rlinfer_vllm.raw)"
     ),
+    Capability.TOOLS.value: "vLLM's own tool parsers: hermes -> hermes, qwen -> hermes, llama -> llama3_json",
+    Capability.STRUCTURED.value: (
+        "vLLM structured outputs (xgrammar); processed logprobs include the grammar mask; JSON is generated compact"
+    ),
+    Capability.LORA.value: "vLLM LoRA (CPU: PunicaWrapperCPU); needs engine_kwargs enable_lora=True and max_lora_rank",
+}
+
+#: why the in-process capabilities are missing in server mode
+SERVER_MODE_NOTE = "not implemented in server mode (in-process only)"
+
+LORA_OFF_NOTE = (
+    "the engine was started without LoRA; open it with engine_kwargs enable_lora=True and max_lora_rank >= "
+    "the adapters' rank (max_loras adapters per batch)"
+)
+
+SHARED_NOTES = {
     Capability.SAMPLING_LOGIT_BIAS.value: (
         "vLLM applies the allowed-token mask and logit bias before the penalties (a request combining "
         "logit_bias with repetition_penalty gets the bias divided by the penalty on positive logits)"
@@ -106,16 +125,33 @@ def installed_platform() -> Platform:
     return "cuda" if found is not None and found[0] == "vllm" else "cpu"
 
 
-def capabilities(platform: Platform, engine_version: str, memory_release: bool | None = None) -> Capabilities:
+def capabilities(
+    platform: Platform,
+    engine_version: str,
+    memory_release: bool | None = None,
+    inprocess: bool = False,
+    lora: bool | None = None,
+) -> Capabilities:
     """Capabilities on ``platform``.
 
-    ``memory_release``: whether the running engine was started with sleep mode; None (as in
-    :func:`describe`) reports what the platform can do.
+    ``memory_release``: whether the running engine was started with sleep mode; ``lora``: with
+    LoRA; None (as in :func:`describe`) reports what the platform can do. ``inprocess``: the
+    in-process backend (tools, structured output, raw logprobs and LoRA are implemented there
+    only; server mode reports them unsupported).
     """
-    if platform == "cpu":
-        return Capabilities(BACKEND, engine_version, "cpu", COMMON, {**SHARED_NOTES, **CPU_NOTES})
-    notes = {**SHARED_NOTES, **CUDA_NOTES}
     supported = set(COMMON)
+    notes = {**SHARED_NOTES, **(CPU_NOTES if platform == "cpu" else CUDA_NOTES)}
+    if inprocess:
+        supported |= INPROCESS
+        notes.update(INPROCESS_NOTES)
+        if lora is False:
+            notes[Capability.LORA.value] = LORA_OFF_NOTE
+        else:
+            supported.add(Capability.LORA)
+    else:
+        notes.update({c.value: SERVER_MODE_NOTE for c in (*INPROCESS, Capability.LORA)})
+    if platform == "cpu":
+        return Capabilities(BACKEND, engine_version, "cpu", frozenset(supported), notes)
     if memory_release is False:
         notes[Capability.MEMORY_RELEASE.value] = MEMORY_RELEASE_OFF_NOTE
     else:
@@ -127,4 +163,4 @@ def describe() -> Capabilities:
     """Capabilities of this machine's vLLM build, without importing vLLM."""
     found = installed_engine()
     version = f"{found[0]} {found[1]}" if found else "not installed"
-    return capabilities(installed_platform(), version)
+    return capabilities(installed_platform(), version, inprocess=True)

@@ -10,12 +10,12 @@ logits at temperature 1, untruncated. Prompt logprobs are always plain log_softm
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from rlinfer_core.errors import UnsupportedCapability
+from rlinfer_core.structured import StructuredKind, StructuredOutput
 from rlinfer_core.types import (
-    Capability,
     Completion,
     CompletionDelta,
     FinishReason,
@@ -25,7 +25,7 @@ from rlinfer_core.types import (
 
 if TYPE_CHECKING:
     from vllm.outputs import CompletionOutput, RequestOutput
-    from vllm.sampling_params import RequestOutputKind, SamplingParams
+    from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 FINISH_REASONS: Mapping[str | None, FinishReason] = {
     "stop": FinishReason.STOP,
@@ -41,11 +41,11 @@ def sampling_params(
     from vllm import SamplingParams
 
     s = request.sampling
-    if s.logprobs_mode is not LogprobsMode.PROCESSED:
-        raise UnsupportedCapability(
-            Capability.LOGPROBS_RAW.value, "vllm", "vLLM's logprobs_mode is one per engine; rlinfer runs it processed"
-        )
     room = max(max_model_len - prompt_len, 1)
+    if s.logprobs_mode is LogprobsMode.RAW:
+        # raw logprobs are scored over prompt + output afterwards (rlinfer_vllm.raw), and vLLM
+        # refuses a prompt that fills the context: keep one position free
+        room = max(room - 1, 1)
     return SamplingParams(
         n=engine_n(request),
         temperature=s.temperature,
@@ -67,7 +67,23 @@ def sampling_params(
         frequency_penalty=s.frequency_penalty,
         logit_bias={token: float(bias) for token, bias in s.logit_bias} or None,
         allowed_token_ids=list(s.allowed_token_ids) if s.allowed_token_ids is not None else None,
+        structured_outputs=structured_outputs(s.structured),
     )
+
+
+def structured_outputs(constraint: StructuredOutput | None) -> StructuredOutputsParams | None:
+    """vLLM's StructuredOutputsParams for a constraint (enforced by vLLM's grammar backend,
+    xgrammar by default). JSON is generated compact (``disable_any_whitespace``): a valid document
+    either way, and a model that likes whitespace cannot spend its token budget on it."""
+    if constraint is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    if constraint.kind is StructuredKind.JSON_SCHEMA:
+        return StructuredOutputsParams(json=json.loads(constraint.schema_json), disable_any_whitespace=True)
+    if constraint.kind is StructuredKind.REGEX:
+        return StructuredOutputsParams(regex=constraint.value)
+    return StructuredOutputsParams(choice=list(constraint.value))
 
 
 def engine_n(request: GenerateRequest) -> int:

