@@ -8,7 +8,7 @@ VENVS := .venvs
 DEMO_BACKEND ?= vllm
 DEMO_OUT ?= out/demo
 
-.PHONY: env-core env-vllm env-sglang envs demo test lint typecheck test-core test-vllm test-sglang test-ray test-server test-wheels clean-envs
+.PHONY: env-core env-vllm env-sglang envs demo test lint typecheck test-core test-vllm test-sglang test-ray test-server test-wheels test-vllm-server thorough clean-envs
 
 env-core: $(VENVS)/core/.built
 env-vllm: $(VENVS)/vllm/.built
@@ -67,6 +67,9 @@ test-wheels:
 	PYTHON=$(PYTHON) bash envs/test_wheels.sh
 
 test: lint typecheck test-core test-wheels test-vllm test-sglang test-ray test-server
+
+# slower checks, not in `make test`: the kit in vLLM server mode alone takes ~15-25 min on 2 shared cores
+thorough: test test-vllm-server
 
 clean-envs:
 	rm -rf $(VENVS)

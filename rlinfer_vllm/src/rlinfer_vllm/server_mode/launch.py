@@ -120,6 +120,9 @@ class ServerProcess:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=env,
+                # its own session: a Ctrl-C (SIGINT to the terminal's process group) reaches only
+                # the caller, whose shutdown() then stops the server in order
+                start_new_session=True,
             )
         self.url = f"http://{HOST}:{port}"
         atexit.register(self.stop)  # an interpreter that exits without shutdown() stops it too
