@@ -9,7 +9,6 @@ from typing import Any
 
 from rlinfer_core.errors import BackendLoadError
 from rlinfer_core.types import MAX_TOP_LOGPROBS, EngineConfig
-
 from rlinfer_vllm.capabilities import Platform
 
 #: the worker extension that loads weight updates inside vLLM's worker processes

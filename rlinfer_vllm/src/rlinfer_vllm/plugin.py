@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from rlinfer_core.discovery import BackendInfo
-
 from rlinfer_vllm.capabilities import BACKEND, ENGINE_REQUIREMENTS, describe
 
 backend = BackendInfo(

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
+
 from rlinfer_core.checksum import WeightChecksum
 from rlinfer_core.errors import InvalidRequest, RLInferError, WeightUpdateError
 from rlinfer_core.hookspecs import hookimpl
@@ -28,7 +29,6 @@ from rlinfer_core.weights import (
     TensorSpec,
     WeightUpdate,
 )
-
 from rlinfer_vllm.capabilities import Platform
 from rlinfer_vllm.versions import TokenVersions
 

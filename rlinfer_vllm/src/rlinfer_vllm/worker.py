@@ -230,7 +230,6 @@ class RLInferWorkerExtension:
         the served names in ``tied`` (a tied output head) with the shape of the tensor they tie to.
         See :mod:`rlinfer_vllm.served`."""
         from rlinfer_core.checksum import tensor_checksum
-
         from rlinfer_vllm.served import served_tensors
 
         if self.vllm_config.parallel_config.tensor_parallel_size != 1:
@@ -261,6 +260,7 @@ class RLInferWorkerExtension:
 
     def _rlinfer_load_in_place(self, tensors: Sequence[Pair]) -> None:
         import torch
+
         from rlinfer_core.errors import WeightUpdateError
 
         try:

@@ -19,12 +19,13 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from vllm_test_helpers import ENGINE_FIELDS, PROMPTS, hf_greedy, state_dict
+
 from rlinfer_core.engine import open_engine
 from rlinfer_core.errors import BackendLoadError, EngineDead, InvalidRequest
 from rlinfer_core.tiny_model import make_tiny_model
 from rlinfer_core.types import EngineConfig, GenerateRequest, SamplingParams
 from rlinfer_core.weights import CheckpointDir
-from vllm_test_helpers import ENGINE_FIELDS, PROMPTS, hf_greedy, state_dict
 
 MAX_TOKENS = 6
 

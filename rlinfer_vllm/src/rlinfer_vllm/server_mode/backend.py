@@ -15,6 +15,7 @@ import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 
 import attrs
+
 from rlinfer_core.errors import BackendLoadError, EngineDead, InvalidRequest, RLInferError
 from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.model_info import ModelInfo
@@ -29,7 +30,6 @@ from rlinfer_core.types import (
     PauseMode,
 )
 from rlinfer_core.weights import TensorSpec
-
 from rlinfer_vllm import convert as inproc_convert
 from rlinfer_vllm.capabilities import capabilities, installed_engine, installed_platform
 from rlinfer_vllm.config import engine_args, resolve_platform

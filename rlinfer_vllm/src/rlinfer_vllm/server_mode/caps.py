@@ -8,6 +8,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import attrs
+
 from rlinfer_core.types import Capabilities, Capability
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")

@@ -27,7 +27,6 @@ from rlinfer_core.types import (
     GenerateRequest,
     LogprobsMode,
 )
-
 from rlinfer_vllm.convert import engine_n, finish_reason
 
 #: vLLM clamps -inf logprobs to this in its HTTP answers

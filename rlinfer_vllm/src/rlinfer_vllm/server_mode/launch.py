@@ -1,4 +1,6 @@
-"""Launch vLLM's own OpenAI server (``vllm serve``: ``python -m vllm.entrypoints.openai.api_server``) as a child process and wait until it is healthy.
+"""Launch vLLM's own OpenAI server as a child process and wait until it is healthy.
+
+The server is what ``vllm serve`` runs: ``python -m vllm.entrypoints.openai.api_server``.
 
 The server gets the same engine arguments as the in-process backend
 (:func:`rlinfer_vllm.config.engine_args`), spelled as ``vllm serve`` options with vLLM's own

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.types import Capabilities, Capability, MemoryTag
-
 from rlinfer_vllm.server_mode.http import ServerClient
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+
 from rlinfer_core.checksum import WeightChecksum
 from rlinfer_core.errors import InvalidRequest, RLInferError, WeightUpdateError
 from rlinfer_core.hookspecs import hookimpl
@@ -35,7 +36,6 @@ from rlinfer_core.weights import (
     TensorSpec,
     WeightUpdate,
 )
-
 from rlinfer_vllm.capabilities import Platform
 from rlinfer_vllm.server_mode.http import ServerClient, ServerError, b64
 
