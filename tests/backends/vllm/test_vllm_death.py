@@ -12,11 +12,12 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from vllm_test_helpers import ENGINE_FIELDS
+
 from rlinfer_core.engine import Engine, open_engine
 from rlinfer_core.errors import EngineDead
 from rlinfer_core.tiny_model import make_tiny_model
 from rlinfer_core.types import GenerateRequest, SamplingParams
-from vllm_test_helpers import ENGINE_FIELDS
 
 DEADLINE_S = 5.0
 

@@ -15,12 +15,13 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from vllm_test_helpers import ENGINE_FIELDS, PROMPTS, hf_greedy, state_dict
+
 from rlinfer_core.engine import Engine, open_engine
 from rlinfer_core.errors import EngineDead, UnsupportedCapability, WeightUpdateError
 from rlinfer_core.tiny_model import make_tiny_model
 from rlinfer_core.types import Capability, GenerateRequest, MemoryTag, SamplingParams
 from rlinfer_core.weights import CheckpointDir, NamedTensors, WeightUpdate
-from vllm_test_helpers import ENGINE_FIELDS, PROMPTS, hf_greedy, state_dict
 
 MAX_TOKENS = 8
 

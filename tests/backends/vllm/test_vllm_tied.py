@@ -17,12 +17,13 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from vllm_test_helpers import ENGINE_FIELDS, PROMPTS, state_dict
+
 from rlinfer_core.engine import Engine, open_engine
 from rlinfer_core.tiny_model import TinyModelSpec, make_tiny_model
 from rlinfer_core.transfer.buckets import pack
 from rlinfer_core.types import Capability, GenerateRequest, PauseMode, SamplingParams
 from rlinfer_core.weights import Buckets, CheckpointDir, NamedTensors
-from vllm_test_helpers import ENGINE_FIELDS, PROMPTS, state_dict
 
 TOL = 1e-5
 MAX_TOKENS = 8
