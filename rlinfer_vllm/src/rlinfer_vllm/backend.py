@@ -63,6 +63,11 @@ ABORT_SETTLE_S = 2.0
 #: how often calls look for exited engine processes (a dead worker -> EngineDead)
 PROCESS_CHECK_S = 0.2
 
+#: vLLM's structured-output settings unless engine_kwargs set them: xgrammar (what "auto" picks
+#: for the constraints rlinfer sends) generating JSON without free whitespace, so that a model
+#: cannot spend its token budget on it (any valid document is still reachable, compactly)
+STRUCTURED_OUTPUTS = {"backend": "xgrammar", "disable_any_whitespace": True}
+
 
 def create(config: EngineConfig) -> Any:
     """Factory named by the ``rlinfer.backends: vllm`` entry point: the in-process backend, or
@@ -117,8 +122,11 @@ class VllmBackend(WeightHooks, MemoryHooks, BenchHooks, LoraHooks, RawLogprobs):
 
         started = time.perf_counter()
         before = processes.snapshot()
+        kwargs = engine_args(config, self.platform)
+        # compact JSON under json_schema constraints: vLLM reads the whitespace switch per engine
+        kwargs.setdefault("structured_outputs_config", dict(STRUCTURED_OUTPUTS))
         try:
-            args = AsyncEngineArgs(**engine_args(config, self.platform))
+            args = AsyncEngineArgs(**kwargs)
         except Exception as exc:
             raise BackendLoadError(f"vLLM rejected the engine configuration: {exc}") from exc
         # from_engine_args blocks until the engine is up; a thread keeps the event loop (and the

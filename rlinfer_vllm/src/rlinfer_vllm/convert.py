@@ -72,15 +72,14 @@ def sampling_params(
 
 
 def structured_outputs(constraint: StructuredOutput | None) -> StructuredOutputsParams | None:
-    """vLLM's StructuredOutputsParams for a constraint (enforced by vLLM's grammar backend,
-    xgrammar by default). JSON is generated compact (``disable_any_whitespace``): a valid document
-    either way, and a model that likes whitespace cannot spend its token budget on it."""
+    """vLLM's StructuredOutputsParams for a constraint (enforced by vLLM's grammar backend:
+    xgrammar, started without free JSON whitespace by :mod:`rlinfer_vllm.backend`)."""
     if constraint is None:
         return None
     from vllm.sampling_params import StructuredOutputsParams
 
     if constraint.kind is StructuredKind.JSON_SCHEMA:
-        return StructuredOutputsParams(json=json.loads(constraint.schema_json), disable_any_whitespace=True)
+        return StructuredOutputsParams(json=json.loads(constraint.schema_json))
     if constraint.kind is StructuredKind.REGEX:
         return StructuredOutputsParams(regex=constraint.value)
     return StructuredOutputsParams(choice=list(constraint.value))
