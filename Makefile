@@ -38,6 +38,8 @@ test-core: env-core
 
 test-vllm: env-vllm
 	$(VENVS)/vllm/bin/python -m pytest tests/backends/test_vllm_conformance.py tests/backends/vllm -q --rlinfer-backend vllm --rlinfer-report out/conformance-vllm.json
+	# vLLM serves LoRA only on an engine started with it: the kit's LoRA tests on a second engine (~1 min)
+	$(VENVS)/vllm/bin/python -m pytest tests/backends/test_vllm_conformance.py -q -k lora --rlinfer-backend vllm --rlinfer-engine-arg enable_lora=true --rlinfer-engine-arg max_lora_rank=8 --rlinfer-report out/conformance-vllm-lora.json
 
 test-sglang: env-sglang
 	$(VENVS)/sglang/bin/python -m pytest tests/backends/test_sglang_conformance.py tests/backends/sglang -q --rlinfer-backend sglang --rlinfer-report out/conformance-sglang.json
