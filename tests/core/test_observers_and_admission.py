@@ -246,3 +246,38 @@ def test_verify_checks_a_tied_head_against_the_embedding() -> None:
     missing = verify({}, {"x": emb})
     assert missing.missing == ("x",) and not missing.ok
     assert isinstance(served["lm_head.weight"], WeightChecksum)
+
+
+def test_abort_releases_a_request_waiting_at_the_pause_gate() -> None:
+    e = engine()
+
+    async def scenario() -> list[Completion]:
+        await e.pause(PauseMode.KEEP)
+        task = asyncio.ensure_future(e.generate([request(request_id="held")]))
+        await asyncio.sleep(0.05)
+        assert not task.done(), "premise: the request waits at the gate"
+        await e.abort(["held"])
+        out = await asyncio.wait_for(task, 5)
+        await e.resume()
+        return out
+
+    out = asyncio.run(scenario())
+    assert out[0].finish_reason is FinishReason.ABORT and out[0].token_ids == ()
+    assert "generate" not in [c[0] for c in INSTANCES[-1].calls], "the engine never saw it"
+
+
+def test_sync_calls_after_shutdown_raise_engine_dead(tmp_path: Any) -> None:
+    import threading
+
+    from rlinfer_core.errors import EngineDead
+    from rlinfer_core.sync_engine import Engine
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    sync = Engine(engine(), loop, thread)
+    sync.shutdown()
+    with pytest.raises(EngineDead):
+        sync.check_health()
+    with pytest.raises(EngineDead):
+        sync.generate([request()])

@@ -37,6 +37,7 @@ from rlinfer_core.types import (
     Completion,
     CompletionDelta,
     EngineConfig,
+    FinishReason,
     GenerateRequest,
     PauseMode,
 )
@@ -132,13 +133,16 @@ class AsyncEngine(EngineAgent, EngineWeights):
             return []
         started = time.perf_counter()
         ids = [r.request_id for r in batch]
-        async with self._admission.admit(ids, self.config.request_timeout_s):
-            completions = await self._engine_call(
-                lambda: self._backend.rlinfer_generate(batch),
-                self.config.request_timeout_s,
-                "generate",
-                on_timeout=lambda: self._abort_quietly(ids),
-            )
+        async with self._admission.admit(ids, self.config.request_timeout_s) as ticket:
+            if ticket.aborted:  # aborted while waiting at the pause gate: the engine never saw it
+                completions = [aborted_at_gate(r, i) for r in batch for i in range(r.sampling.n)]
+            else:
+                completions = await self._engine_call(
+                    lambda: self._backend.rlinfer_generate(batch),
+                    self.config.request_timeout_s,
+                    "generate",
+                    on_timeout=lambda: self._abort_quietly(ids),
+                )
         stamped = await attach_tool_calls(self, batch, [self._stamp(c) for c in completions])
         self._observers.emit(
             "rlinfer_on_generate_done",
@@ -173,7 +177,12 @@ class AsyncEngine(EngineAgent, EngineWeights):
     async def _stream(self, impl: StreamingBackend, request: GenerateRequest) -> AsyncGenerator[CompletionDelta, None]:
         ids = [request.request_id]
         deadline = time.monotonic() + self.config.request_timeout_s
-        async with self._admission.admit(ids, self.config.request_timeout_s):
+        async with self._admission.admit(ids, self.config.request_timeout_s) as ticket:
+            if ticket.aborted:
+                for index in range(request.sampling.n):
+                    c = aborted_at_gate(request, index)
+                    yield CompletionDelta(c.request_id, index, (), (), FinishReason.ABORT, None, self._version, ())
+                return
             iterator = impl.rlinfer_generate_stream(request)
             try:
                 while True:
@@ -203,6 +212,7 @@ class AsyncEngine(EngineAgent, EngineWeights):
         self.capabilities.require(Capability.ABORT)
         impl = present(self._abort_impl, "rlinfer_abort", self.backend_name)
         ids = [request_ids] if isinstance(request_ids, str) else (None if request_ids is None else list(request_ids))
+        self._admission.abort_waiting(ids)
         await self._with_timeout(impl.rlinfer_abort(ids), 60.0, "abort")
 
     async def pause(self, mode: PauseMode | str = PauseMode.ABORT) -> None:
@@ -251,3 +261,16 @@ __all__ = [
     "transport_capability",
     "transport_name",
 ]
+
+
+def aborted_at_gate(request: GenerateRequest, index: int) -> Completion:
+    """The completion of a request aborted before the engine saw it: no tokens, "abort"."""
+    return Completion(
+        request_id=request.request_id,
+        index=index,
+        prompt_token_ids=request.prompt_token_ids or (),
+        token_ids=(),
+        logprobs=(),
+        finish_reason=FinishReason.ABORT,
+        token_versions=(),
+    )

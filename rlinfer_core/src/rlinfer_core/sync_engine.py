@@ -7,6 +7,7 @@ import threading
 from collections.abc import AsyncGenerator, Coroutine, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from rlinfer_core.errors import EngineDead
 from rlinfer_core.types import (
     Capabilities,
     Completion,
@@ -58,6 +59,9 @@ class Engine:
         return cls(engine, loop, thread)
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if not self._thread.is_alive():  # after shutdown() the loop is gone: nothing would run it
+            coro.close()
+            raise EngineDead(f"engine {self.async_engine.backend_name!r} was shut down; open a new one")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def __enter__(self) -> Engine:

@@ -36,7 +36,8 @@ SEED = 1234
 
 
 def _sampled(world: KitWorld, n_prompts: int = 3, **sampling: Any) -> tuple[list[GenerateRequest], list[Completion]]:
-    params = SamplingParams(max_tokens=10, seed=SEED, **sampling)
+    seeded = world.supports(Capability.SEEDED_SAMPLING)  # reproducible where claimed; the oracle scores any sample
+    params = SamplingParams(max_tokens=10, seed=SEED if seeded else None, **sampling)
     requests = [
         GenerateRequest(prompt_token_ids=p, sampling=params, request_id=world.request_id("proc"))
         for p in world.prompts()[:n_prompts]
