@@ -14,7 +14,7 @@ esac
 # the image's own CUDA 13 libraries (torch_memory_saver's preload hook needs them), found
 # with a clean PYTHONPATH so the bundle's nvidia/ namespace does not hide the image's
 _gpu_cu13=$(PYTHONPATH= python3 -c 'import os, nvidia; print(next((os.path.join(p, "cu13", "lib") for p in nvidia.__path__ if os.path.isdir(os.path.join(p, "cu13", "lib"))), ""))' 2>/dev/null || true)
-export PYTHONPATH="$(python3 "$_gpu_here/bundle_tool.py" pythonpath "$_gpu_site"):$_gpu_repo/rlinfer_core/src:$_gpu_repo/conformance/src:$_gpu_repo/$_gpu_backend/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$(python3 "$_gpu_here/bundle_tool.py" pythonpath "$_gpu_site"):$_gpu_repo/rlinfer_core/src:$_gpu_repo/conformance/src:$_gpu_repo/rlinfer_demo/src:$_gpu_repo/$_gpu_backend/src${PYTHONPATH:+:$PYTHONPATH}"
 if [ -n "$_gpu_cu13" ]; then
   export LD_LIBRARY_PATH="$_gpu_cu13${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi

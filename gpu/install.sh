@@ -32,7 +32,7 @@ else
   rm -rf "$SITE"
   "$PY" -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir \
     --disable-pip-version-check --target "$SITE" "${WHEELS[@]}"
-  "$PY" "$HERE/register_dists.py" --site "$SITE" rlinfer_core conformance "$BACKEND_PKG"
+  "$PY" "$HERE/register_dists.py" --site "$SITE" rlinfer_core conformance rlinfer_demo "$BACKEND_PKG"
   echo "${#WHEELS[@]} wheels, $(( $(date +%s) - start )) s" > "$SITE/.installed"
   echo "install: $ENGINE -> $SITE in $(( $(date +%s) - start )) s ($(du -sm "$SITE" | cut -f1) MiB)"
 fi
