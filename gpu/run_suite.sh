@@ -41,7 +41,10 @@ fi
 source "$HERE/env.sh" "$ENGINE"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 rc=0
-KIT_ARGS=(--rlinfer-config enable_memory_release=true --rlinfer-logprob-tol 2e-3)
+# The kit opens several engines at once (the main one, one per extra architecture, the fault
+# matrix's): each takes a quarter of the GPU at most, and eager mode keeps their starts short.
+KIT_ARGS=(--rlinfer-config enable_memory_release=true --rlinfer-logprob-tol 2e-3
+  --rlinfer-config gpu_memory_utilization=0.2 --rlinfer-config enforce_eager=true)
 ENGINE_ARGS=()
 if [ "$ENGINE" = sglang ]; then
   KIT_ARGS+=(--rlinfer-engine-arg attention_backend=triton --rlinfer-config dtype=bfloat16 --rlinfer-logprob-tol 3e-2)
