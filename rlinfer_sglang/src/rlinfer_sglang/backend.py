@@ -35,6 +35,7 @@ from rlinfer_core.types import (
 from rlinfer_core.weights import (
     TensorSpec,
 )
+from rlinfer_sglang.agent import AgentHooks
 from rlinfer_sglang.capabilities import OVERLAP_NOTE, capabilities, installed_platform, installed_version
 from rlinfer_sglang.config import resolve_platform
 from rlinfer_sglang.generation import Generation
@@ -67,7 +68,7 @@ def _amx_repacks() -> bool:
         return False
 
 
-class SGLangBackend(Supervision, Generation, Memory):
+class SGLangBackend(Supervision, Generation, Memory, AgentHooks):
     """Implements rlinfer's operation hooks for one SGLang engine."""
 
     def __init__(self, config: EngineConfig) -> None:

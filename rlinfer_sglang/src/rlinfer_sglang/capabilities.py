@@ -41,8 +41,24 @@ COMMON: frozenset[Capability] = frozenset(
         Capability.WEIGHTS_BROADCAST,
         Capability.PREFIX_CACHE_RESET,
         Capability.BENCH,
+        Capability.TOOLS,  # rlinfer_sglang.agent: SGLang's FunctionCallParser, pure Python
     }
 )
+
+#: verified on CPU (rlinfer_sglang.agent); on CUDA SGLang applies the grammar mask with its
+#: triton kernel instead of xgrammar's CPU one (not verified yet)
+AGENT_CPU: frozenset[Capability] = frozenset({Capability.STRUCTURED})
+
+AGENT_NOTES = {
+    Capability.TOOLS.value: (
+        "SGLang's FunctionCallParser (hermes -> hermes, qwen -> qwen25, llama -> llama3), one call "
+        "segment at a time so that a malformed call is reported on its own"
+    ),
+    Capability.STRUCTURED.value: (
+        "SGLang's json_schema / regex sampling params (choice as a regex) through its xgrammar "
+        "backend; processed logprobs include the grammar mask; JSON is generated compact"
+    ),
+}
 
 #: verified against an HF fp32 oracle on CPU (1e-5); on CUDA the sampler takes other kernels
 #: (flashinfer), not verified yet
@@ -124,6 +140,9 @@ CUDA_NOTES = {
     **PAUSE_NOTES,
 }
 
+LORA_CPU_NOTE = "not implemented by the SGLang backend yet"
+LORA_CUDA_NOTE = "not implemented by the SGLang backend yet"
+
 MEMORY_RELEASE_OFF_NOTE = (
     "the engine was started without the memory saver; open it with "
     "EngineConfig(enable_memory_release=True) to release memory"
@@ -156,12 +175,13 @@ def capabilities(
     in :func:`describe`) reports what the platform can do.
     """
     if platform == "cpu":
-        supported_cpu = set(COMMON | SAMPLING)
+        supported_cpu = set(COMMON | SAMPLING | AGENT_CPU)
         if tensor_parallel_size == 1:
             supported_cpu.add(Capability.WEIGHTS_CHECKSUM)
-        return Capabilities(BACKEND, engine_version, "cpu", frozenset(supported_cpu), {**CPU_NOTES, **SAMPLING_NOTES})
-    notes = {**CUDA_NOTES, **SAMPLING_NOTES}
-    for capability in (*SAMPLING, Capability.WEIGHTS_CHECKSUM):
+        notes_cpu = {**CPU_NOTES, **SAMPLING_NOTES, **AGENT_NOTES, Capability.LORA.value: LORA_CPU_NOTE}
+        return Capabilities(BACKEND, engine_version, "cpu", frozenset(supported_cpu), notes_cpu)
+    notes = {**CUDA_NOTES, **SAMPLING_NOTES, **AGENT_NOTES, Capability.LORA.value: LORA_CUDA_NOTE}
+    for capability in (*SAMPLING, *AGENT_CPU, Capability.WEIGHTS_CHECKSUM):
         notes[capability.value] = f"{CUDA_UNVERIFIED}; on CPU: {notes[capability.value]}"
     supported = set(COMMON)
     if memory_release is False:

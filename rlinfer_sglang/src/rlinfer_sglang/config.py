@@ -121,6 +121,8 @@ def server_args(config: EngineConfig, platform: Platform) -> dict[str, Any]:
         "custom_weight_loader": [WEIGHT_LOADER],
         # rlinfer's logits processor (penalties, logit_bias, allowed_token_ids; see logits.py)
         "enable_custom_logit_processor": True,
+        # compact JSON under a json_schema constraint (xgrammar), as the vLLM backend does
+        "constrained_json_disable_any_whitespace": True,
     }
     vocab = (_hf_config(config.model) or {}).get("vocab_size")
     if isinstance(vocab, int) and vocab > 0:

@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rlinfer_core.types import Completion, CompletionDelta, FinishReason, GenerateRequest, LogprobsMode
+from rlinfer_sglang.agent import structured_params
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
@@ -41,6 +42,7 @@ def sampling_params(
     custom = custom_params(request)
     if custom:
         params["custom_params"] = custom
+    params.update(structured_params(s.structured))
     return params
 
 

@@ -20,6 +20,7 @@ from rlinfer_core.types import (
     LogprobsMode,
 )
 from rlinfer_sglang import convert
+from rlinfer_sglang.agent import openai_tools
 from rlinfer_sglang.inflight import InFlight
 
 
@@ -36,6 +37,7 @@ class Generation(InFlight):
         try:
             text = tokenizer.apply_chat_template(
                 [{"role": m.role, "content": m.content} for m in request.messages],
+                tools=openai_tools(request.tools),
                 tokenize=False,
                 add_generation_prompt=True,
             )
