@@ -98,8 +98,9 @@ def main(args: argparse.Namespace) -> int:
         check_model(args.model)
     out = Path(args.out)
     log_path = out / "engine.log"
+    run = _run_agent if getattr(args, "task", "digits") == "agent" else _run
     with engine_logs_to(log_path, verbose=getattr(args, "verbose", False)) as console:
-        code = _run(args, out, steps, console)
+        code = run(args, out, steps, console)
         if not getattr(args, "verbose", False):
             console.print(f"engine logs: {log_path}")
     return code
@@ -136,4 +137,41 @@ def _run(args: argparse.Namespace, out: Path, steps: int, console: Any) -> int:
         return 1
     if not s["reward_rose"]:
         console.print("[yellow]the reward did not rise clearly; try more --steps[/yellow]")
+    return 0
+
+
+def _run_agent(args: argparse.Namespace, out: Path, steps: int, console: Any) -> int:
+    """``--task agent`` (:mod:`rlinfer_demo.agent`): one line per step, then the summary."""
+    from rlinfer_demo.agent import AgentConfig, make_agent_model, run_agent, write_agent_outputs
+
+    if args.model is None:
+        model = str(make_agent_model(out / "agent_model", seed=0))
+    else:
+        model = str(Path(args.model).resolve())
+    cfg = AgentConfig(backend=args.backend, model=model, out=str(out), steps=steps)
+    started = time.perf_counter()
+
+    def on_start(info: dict[str, Any]) -> None:
+        console.print(
+            f"engine {info['engine_version']} on {info['platform']} up in {info['engine_start_s']:.1f} s; "
+            f"sessions with the calc tool, logprobs_mode={info['logprobs_mode']}"
+        )
+
+    def on_step(r: Any) -> None:
+        console.print(
+            f"step {r.step:3d}  reward {r.reward_mean:.3f}  call args right {r.call_ok:.2f}  "
+            f"answer right {r.answer_ok:.2f}  max |dlogprob| {r.logprob_gap_max:.1e}  "
+            f"rollout {r.rollout_s:.2f} s  train {r.train_s:.2f} s  sync {r.sync_s * 1e3:.0f} ms"
+        )
+
+    info, records = run_agent(cfg, on_start=on_start, on_step=on_step)
+    s = write_agent_outputs(out, cfg, info, records)
+    console.print(
+        f"agent reward {s['reward_first']:.3f} (first {s['window']} steps) -> {s['reward_last']:.3f} "
+        f"(last {s['window']}); {time.perf_counter() - started:.0f} s in all; "
+        f"wrote {out / 'agent_report.json'} and {out / 'agent_reward.png'}"
+    )
+    if s["parity_ok_every_step"] is False:
+        console.print("[red]trainer/engine logprobs disagree beyond the tolerance[/red]")
+        return 1
     return 0

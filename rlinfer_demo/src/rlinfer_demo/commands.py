@@ -89,6 +89,12 @@ def register_demo(subparsers: Any) -> None:
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--out", default="out/demo")
     p.add_argument(
+        "--task",
+        choices=["digits", "agent"],
+        default="digits",
+        help="digits: single-turn GRPO (default); agent: multi-turn sessions with a calculator tool",
+    )
+    p.add_argument(
         "--verbose",
         action="store_true",
         help="show the engine's own logs on the terminal (default: written to OUT/engine.log)",
