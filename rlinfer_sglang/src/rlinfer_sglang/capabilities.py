@@ -140,8 +140,16 @@ CUDA_NOTES = {
     **PAUSE_NOTES,
 }
 
-LORA_CPU_NOTE = "not implemented by the SGLang backend yet"
-LORA_CUDA_NOTE = "not implemented by the SGLang backend yet"
+LORA_CPU_NOTE = (
+    "SGLang cannot serve LoRA on CPU: its LoRA layers allocate pinned host tensors unconditionally "
+    "(sglang/srt/lora/layers.py: torch.tensor(..., pin_memory=True); lora.py pins adapter weights), "
+    "which torch refuses without an accelerator, so an engine started with enable_lora=True dies at "
+    "start (measured with sglang 0.5.23, lora_backend=torch_native)"
+)
+LORA_CUDA_NOTE = (
+    "not implemented by the rlinfer SGLang backend: SGLang's LoRA cannot be verified on CPU (see its "
+    "note there), and nothing is claimed on CUDA unverified"
+)
 
 MEMORY_RELEASE_OFF_NOTE = (
     "the engine was started without the memory saver; open it with "
