@@ -22,7 +22,7 @@ from rlinfer_core.errors import EngineDead, EngineTimeout, InvalidRequest, RLInf
 #: is gone or wedged
 CONNECT_TIMEOUT_S = 5.0
 #: how long a liveness probe (/health) may take before the server counts as dead
-HEALTH_TIMEOUT_S = 2.0
+HEALTH_TIMEOUT_S = 5.0
 
 
 class ServerError(RLInferError):
@@ -127,9 +127,17 @@ class ServerClient:
         param, message = _error_message(body)
         if status < 500:
             return InvalidRequest(param or "request", f"the vLLM server refused {path} (HTTP {status}): {message}")
-        if not await self.healthy():
+        if await self._gone():
             raise await self._dead(path, f"HTTP {status}: {message}")
         raise ServerError(path, status, message)
+
+    async def _gone(self) -> bool:
+        """After a 5xx: whether the server is dead. A launched server's processes say it for sure
+        (a slow /health on a loaded machine must not turn a failed operation into EngineDead);
+        an attached server must answer /health."""
+        if self._dead_pids is not None:
+            return bool(self._dead_pids())
+        return not await self.healthy()
 
     async def post(
         self,
