@@ -216,9 +216,10 @@ class WeightChannel(BackendBase):
         """Have every scheduler rank join the trainer's group (blocks until all ranks joined)."""
         if self.platform == "cpu" and group.backend != "gloo":
             raise InvalidRequest("backend", "SGLang on CPU joins gloo groups only")
-        if group.world_size != 1 + self._tp_size:
+        if group.rank_offset + self._tp_size > group.world_size:  # a pool puts several engines in one group
             raise InvalidRequest(
-                "world_size", f"must be 1 (trainer) + {self._tp_size} (engine ranks), got {group.world_size}"
+                "world_size",
+                f"must hold rank_offset ({group.rank_offset}) + {self._tp_size} engine ranks, got {group.world_size}",
             )
         try:
             await self._scheduler_op({"op": "join", "group": attrs.asdict(group)}, flush=False)
