@@ -13,7 +13,7 @@ import pytest
 from rlinfer_core.discovery import get_backend
 from rlinfer_core.errors import BackendLoadError, InvalidRequest
 from rlinfer_core.types import Capability, EngineConfig
-from rlinfer_sglang.capabilities import COMMON, SAMPLING, capabilities
+from rlinfer_sglang.capabilities import AGENT_CPU, COMMON, SAMPLING, capabilities
 from rlinfer_sglang.config import (
     CONTEXT_RESERVE,
     WEIGHT_LOADER,
@@ -51,10 +51,11 @@ def test_cpu_capabilities_are_honest() -> None:
     assert not caps.supports(Capability.SEEDED_SAMPLING)
     assert "frees nothing" in caps.notes[Capability.MEMORY_RELEASE.value]
     assert "deterministic" in caps.notes[Capability.SEEDED_SAMPLING.value]
-    assert COMMON | SAMPLING | {Capability.WEIGHTS_CHECKSUM} == caps.supported
+    assert COMMON | SAMPLING | AGENT_CPU | {Capability.WEIGHTS_CHECKSUM} == caps.supported
+    assert "pin_memory" in caps.notes[Capability.LORA.value], "lora: the measured reason"
     assert caps.notes[Capability.LOGPROBS_PROCESSED.value] and caps.notes[Capability.WEIGHTS_CHECKSUM.value]
     cuda = capabilities("cuda", "sglang 0.5.16")
-    assert not (SAMPLING | {Capability.WEIGHTS_CHECKSUM}) & cuda.supported, "claimed only where verified"
+    assert not (SAMPLING | AGENT_CPU | {Capability.WEIGHTS_CHECKSUM}) & cuda.supported, "claimed only where verified"
     assert not capabilities("cpu", "sglang 0.5.23", tensor_parallel_size=2).supports(Capability.WEIGHTS_CHECKSUM)
     for pause in (Capability.PAUSE_ABORT, Capability.PAUSE_WAIT, Capability.PAUSE_KEEP):
         assert caps.notes[pause.value], "each pause mode documents its SGLang mapping"
