@@ -25,6 +25,7 @@ $(VENVS)/sglang/.built: envs/build_env.sh envs/sglang-cpu.txt envs/constraints-c
 
 demo: env-$(DEMO_BACKEND)
 	$(VENVS)/$(DEMO_BACKEND)/bin/rlinfer demo --backend $(DEMO_BACKEND) --out $(DEMO_OUT)
+	$(VENVS)/$(DEMO_BACKEND)/bin/rlinfer demo --task agent --backend $(DEMO_BACKEND) --out $(DEMO_OUT)/agent
 
 lint: env-core
 	$(VENVS)/core/bin/ruff check .

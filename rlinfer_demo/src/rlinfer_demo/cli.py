@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from rlinfer_core.discovery import get_backend
-from rlinfer_core.errors import BackendLoadError, BackendNotFound, InvalidRequest
+from rlinfer_core.errors import BackendLoadError, BackendNotFound, InvalidRequest, UnsupportedCapability
 
 DEFAULT_STEPS = 30
 
@@ -164,7 +164,11 @@ def _run_agent(args: argparse.Namespace, out: Path, steps: int, console: Any) ->
             f"rollout {r.rollout_s:.2f} s  train {r.train_s:.2f} s  sync {r.sync_s * 1e3:.0f} ms"
         )
 
-    info, records = run_agent(cfg, on_start=on_start, on_step=on_step)
+    try:
+        info, records = run_agent(cfg, on_start=on_start, on_step=on_step)
+    except UnsupportedCapability as exc:  # the task needs sessions, tools and structured output
+        console.print(f"[yellow]agent task skipped: {exc}[/yellow]")
+        return 0
     s = write_agent_outputs(out, cfg, info, records)
     console.print(
         f"agent reward {s['reward_first']:.3f} (first {s['window']} steps) -> {s['reward_last']:.3f} "
