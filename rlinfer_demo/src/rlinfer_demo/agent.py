@@ -78,7 +78,8 @@ class AgentStep:
     reward_mean: float
     call_ok: float  #: fraction of episodes whose call had both arguments right
     answer_ok: float  #: fraction of episodes whose final answer was A + B
-    logprob_gap_max: float  #: max |trainer - engine| logprob over model tokens (raw mode)
+    #: max |trainer - engine| / max(1, |logprob|) over model tokens (raw mode; NaN otherwise)
+    logprob_gap_max: float
     model_tokens: int
     rollout_s: float
     train_s: float
@@ -204,7 +205,10 @@ def run_agent(
 
                 t0 = time.perf_counter()
                 logprobs, mask, engine_lp = sequence_logprobs(policy.model, episodes)
-                gap = float(((logprobs.detach() - engine_lp).abs() * mask).max()) if raw else float("nan")
+                # relative above |logprob| 1: fp32 rounding grows with the magnitude, and the tokens the
+                # grammar forces reach raw logprobs near -30 (ulp 2e-6)
+                scale = engine_lp.abs().clamp(min=1.0)
+                gap = float(((logprobs.detach() - engine_lp).abs() / scale * mask).max()) if raw else float("nan")
                 loss = episode_loss(logprobs, engine_lp if raw else logprobs.detach(), advantages, mask)
                 policy.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
