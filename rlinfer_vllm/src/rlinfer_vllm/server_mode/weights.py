@@ -75,8 +75,9 @@ class ServerWeightHooks:
                 yield http
                 await self.rlinfer_reset_prefix_cache()
             finally:
+                # shielded: a cancelled or failed load must not leave the server paused
                 with contextlib.suppress(RLInferError):  # a dead server raises on the next call
-                    await http.post("/resume")
+                    await asyncio.shield(http.post("/resume"))
 
     @hookimpl
     def rlinfer_weight_specs(self) -> Mapping[str, TensorSpec]:
