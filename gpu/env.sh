@@ -20,6 +20,9 @@ if [ -n "$_gpu_cu13" ]; then
 fi
 export PATH="$_gpu_site/bin:$PATH"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# the kit's process touches CUDA (IPC packing) before it opens more engines: a forked engine core
+# would inherit a CUDA context it cannot use ("CUDA error: initialization error")
+export VLLM_WORKER_MULTIPROC_METHOD=spawn
 # Never let anything try the hub (there is no network on the device).
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 unset _gpu_engine _gpu_here _gpu_repo _gpu_site _gpu_backend _gpu_cu13
