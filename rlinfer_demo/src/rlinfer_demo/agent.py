@@ -10,7 +10,8 @@ Each episode is an :meth:`Engine.session` with the ``calc`` tool (hermes tool pa
 3. tool: the session injects ``calc(a, b)`` as a tool message (environment tokens);
 4. model turn 2: the answer, constrained to one or two digits.
 
-Reward (verifiable): ``(a == A) + (b == B) + (answer == A + B)``, over 3. The trainer trains on
+Reward (verifiable): ``(a == A) + (b == B) + (answer == the tool's result)``, over 3: call the
+tool with the question's numbers, and report what the tool said. The trainer trains on
 ``SessionResult.token_ids`` with ``loss_mask`` (model tokens only: never the question, the tool
 result or the template) and the engine's per-token ``logprobs`` as the behaviour policy. The
 session samples with ``logprobs_mode="raw"`` where the backend has it: the engine then reports
@@ -49,9 +50,10 @@ CALC = ToolSpec(
 #: the call format the first model turn is held to (the model picks the two digits)
 CALL_REGEX = r'<tool_call>\{"name": "calc", "arguments": \{"a": [0-9], "b": [0-9]\}\}</tool_call>'
 ANSWER_REGEX = r"[0-9]{1,2}"
-#: (A, B) of the questions, one GRPO group each (two questions of 32 samples: a 0.2M-parameter
-#: random model learns two argument pairs within 30 steps; eight groups of 8 learn too slowly)
-QUESTIONS: tuple[tuple[int, int], ...] = ((2, 3), (7, 1))
+#: (A, B) of the questions, one GRPO group each. One question: within a demo's 30 steps the
+#: 0.2M-parameter random model does not learn to read the numbers off the question (with two
+#: questions it settles on one argument pair for both); it does learn one call and its answer.
+QUESTIONS: tuple[tuple[int, int], ...] = ((2, 3),)
 EOS_MARKER = "<|end|>"
 
 
@@ -63,8 +65,8 @@ class AgentConfig:
     model: str
     out: str
     steps: int = 30
-    group_size: int = 32
-    lr: float = 1e-2
+    group_size: int = 64
+    lr: float = 3e-3
     seed: int = 0
     temperature: float = 1.0
     parity_tolerance: float = 1e-5
@@ -77,7 +79,7 @@ class AgentStep:
     step: int
     reward_mean: float
     call_ok: float  #: fraction of episodes whose call had both arguments right
-    answer_ok: float  #: fraction of episodes whose final answer was A + B
+    answer_ok: float  #: fraction of episodes whose final answer was the tool's result
     #: max |trainer - engine| / max(1, |logprob|) over model tokens (raw mode; NaN otherwise)
     logprob_gap_max: float
     model_tokens: int
@@ -104,13 +106,14 @@ def make_agent_model(path: str | Path, seed: int = 0) -> Path:
 
 
 def reward(episode: SessionResult, question: tuple[int, int]) -> tuple[float, bool, bool]:
-    """(reward, call right, answer right) of one episode, by inspecting its turns."""
+    """(reward, call arguments right, answer = the tool's result) of one episode, from its turns."""
     a, b = question
     model_turns = [t for t in episode.turns if t.kind == "model"]
     call = model_turns[0].tool_calls.calls[0] if model_turns and model_turns[0].tool_calls else None
     args = dict(call.arguments or {}) if call is not None and call.ok else {}
     answer = (model_turns[-1].text or "").strip() if len(model_turns) > 1 else ""
-    hits = [args.get("a") == a, args.get("b") == b, answer == str(a + b)]
+    result = str(args["a"] + args["b"]) if isinstance(args.get("a"), int) and isinstance(args.get("b"), int) else None
+    hits = [args.get("a") == a, args.get("b") == b, answer == result]
     return sum(hits) / 3.0, hits[0] and hits[1], hits[2]
 
 
@@ -261,7 +264,7 @@ def write_agent_outputs(
     steps = [r.step for r in records]
     ax.plot(steps, [r.reward_mean for r in records], label="reward")
     ax.plot(steps, [r.call_ok for r in records], label="call args right", linestyle="--")
-    ax.plot(steps, [r.answer_ok for r in records], label="answer right", linestyle=":")
+    ax.plot(steps, [r.answer_ok for r in records], label="answer = tool result", linestyle=":")
     ax.set(xlabel="step", ylabel="fraction", ylim=(0, 1.05), title=f"agent task ({info['backend']}, calc tool)")
     ax.legend(loc="upper left")
     fig.tight_layout()

@@ -160,7 +160,7 @@ def _run_agent(args: argparse.Namespace, out: Path, steps: int, console: Any) ->
     def on_step(r: Any) -> None:
         console.print(
             f"step {r.step:3d}  reward {r.reward_mean:.3f}  call args right {r.call_ok:.2f}  "
-            f"answer right {r.answer_ok:.2f}  max |dlogprob| {r.logprob_gap_max:.1e}  "
+            f"answer = tool result {r.answer_ok:.2f}  max |dlogprob| {r.logprob_gap_max:.1e}  "
             f"rollout {r.rollout_s:.2f} s  train {r.train_s:.2f} s  sync {r.sync_s * 1e3:.0f} ms"
         )
 
