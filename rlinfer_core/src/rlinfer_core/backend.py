@@ -23,9 +23,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
-from rlinfer_core.agent import ToolsBackend
 from rlinfer_core.errors import BackendLoadError, UnsupportedCapability
-from rlinfer_core.lora import LoraBackend
 from rlinfer_core.types import Capability
 
 if TYPE_CHECKING:
@@ -203,8 +201,6 @@ OPTIONAL: Mapping[type, Capability | None] = {
     PrefixCacheBackend: Capability.PREFIX_CACHE_RESET,
     ProcessesBackend: None,
     BenchBackend: Capability.BENCH,
-    ToolsBackend: Capability.TOOLS,  # rlinfer_core.agent (issue 13)
-    LoraBackend: Capability.LORA,  # rlinfer_core.lora (issue 13)
 }
 
 
