@@ -102,6 +102,15 @@ def needs_context_override(config: EngineConfig) -> bool:
     return isinstance(limit, int) and config.max_model_len <= limit < config.max_model_len + CONTEXT_RESERVE
 
 
+def _accepts(name: str) -> bool:
+    """Whether the installed SGLang's ServerArgs has the field ``name`` (it grows by release)."""
+    import inspect
+
+    from sglang.srt.server_args import ServerArgs
+
+    return name in inspect.signature(ServerArgs).parameters  # a dataclass or a msgspec Struct
+
+
 def server_args(config: EngineConfig, platform: Platform) -> dict[str, Any]:
     """SGLang ``Engine(**kwargs)`` arguments for ``config`` on ``platform``."""
     if platform == "cuda" and config.dtype == "float32":
@@ -125,9 +134,10 @@ def server_args(config: EngineConfig, platform: Platform) -> dict[str, Any]:
         "constrained_json_disable_any_whitespace": True,
     }
     vocab = (_hf_config(config.model) or {}).get("vocab_size")
-    if isinstance(vocab, int) and vocab > 0:
+    if isinstance(vocab, int) and vocab > 0 and _accepts("sampling_mask_max_tokens"):
         # SGLang aborts a request whose sampling support is larger than this; the whole
         # vocabulary fits, so truncated processed logprobs never abort a request
+        # (absent in SGLang 0.5.16, where processed logprobs under truncation are not claimed)
         args["sampling_mask_max_tokens"] = vocab
     if config.max_model_len is not None:
         args["context_length"] = config.max_model_len + CONTEXT_RESERVE
