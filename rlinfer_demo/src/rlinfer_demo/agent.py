@@ -83,6 +83,7 @@ class AgentStep:
     #: max |trainer - engine| / max(1, |logprob|) over model tokens (raw mode; NaN otherwise)
     logprob_gap_max: float
     model_tokens: int
+    exact: float  #: fraction of episodes that followed the chat template exactly (SessionResult.exact)
     rollout_s: float
     train_s: float
     sync_s: float
@@ -229,6 +230,7 @@ def run_agent(
                     answer_ok=sum(s[2] for s in scored) / len(scored),
                     logprob_gap_max=gap,
                     model_tokens=int(mask.sum()),
+                    exact=sum(e.exact for e in episodes) / len(episodes),
                     rollout_s=rollout_s,
                     train_s=train_s,
                     sync_s=sync_s,
