@@ -331,7 +331,7 @@ class VllmBackend(WeightHooks, MemoryHooks, BenchHooks, LoraHooks, RawLogprobs):
         params = convert.sampling_params(request, len(ids), self._max_len(), RequestOutputKind.FINAL_ONLY)
         started = time.perf_counter()
         last = None
-        served = self._lora_acquire(request.lora)
+        served = self._lora_acquire(request)
         lora = served.request if served is not None else None
         try:
             self._inflight.add(request.request_id)
@@ -368,7 +368,7 @@ class VllmBackend(WeightHooks, MemoryHooks, BenchHooks, LoraHooks, RawLogprobs):
         params = convert.sampling_params(request, len(ids), self._max_len(), RequestOutputKind.DELTA)
         versions = self._versions
         assert versions is not None
-        served = self._lora_acquire(request.lora)
+        served = self._lora_acquire(request)
         lora = served.request if served is not None else None
         raw = request.sampling.logprobs_mode is LogprobsMode.RAW
         seen: dict[int, list[int]] = {}

@@ -61,7 +61,10 @@ INPROCESS_NOTES = {
     Capability.STRUCTURED.value: (
         "vLLM structured outputs (xgrammar); processed logprobs include the grammar mask; JSON is generated compact"
     ),
-    Capability.LORA.value: "vLLM LoRA (CPU: PunicaWrapperCPU); needs engine_kwargs enable_lora=True and max_lora_rank",
+    Capability.LORA.value: (
+        "vLLM LoRA (CPU: PunicaWrapperCPU); needs engine_kwargs enable_lora=True and max_lora_rank; prompt "
+        "logprobs, raw logprobs and score are refused under an adapter (vLLM 0.32 kills its engine core there)"
+    ),
 }
 
 #: why the in-process capabilities are missing in server mode

@@ -25,13 +25,21 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from rlinfer_core.errors import InvalidRequest, RLInferError
+from rlinfer_core.errors import InvalidRequest, RLInferError, UnsupportedCapability
 from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.lora import LoraAdapter
+from rlinfer_core.types import Capability, GenerateRequest, LogprobsMode
 
 if TYPE_CHECKING:
     from vllm.lora.request import LoRARequest
     from vllm.v1.engine.async_llm import AsyncLLM
+
+#: why prompt logprobs (and so raw logprobs and scoring) are refused under an adapter
+PROMPT_LOGPROBS_LORA = (
+    "not with a LoRA adapter: vLLM 0.32 applies the adapter's logits path to prompt positions with the "
+    "sampler's per-request indices, and the engine core dies (einsum shape error in punica bgmv_shrink) "
+    "when such a request shares a batch with others; use the base weights for prompt/raw logprobs and score"
+)
 
 #: PEFT config fields vLLM reads, with PEFT's defaults (a tensors adapter's config may omit them)
 PEFT_DEFAULTS: dict[str, Any] = {
@@ -135,10 +143,18 @@ class LoraHooks:
         ids = await self._alive().list_loras()
         return sorted(n for n, s in self._lora_live.items() if s.request.lora_int_id in ids)
 
-    def _lora_acquire(self, name: str | None) -> Served | None:
+    def _lora_acquire(self, request: GenerateRequest) -> Served | None:
         """The adapter a request names, counted as in use until :meth:`_lora_done`."""
+        name = request.lora
         if name is None:
             return None
+        s = request.sampling
+        if s.prompt_logprobs or s.logprobs_mode is LogprobsMode.RAW:
+            raise UnsupportedCapability(
+                Capability.PROMPT_LOGPROBS.value if s.prompt_logprobs else Capability.LOGPROBS_RAW.value,
+                "vllm",
+                PROMPT_LOGPROBS_LORA,
+            )
         served = self._lora_live.get(name)
         if served is None:
             raise InvalidRequest("lora", f"no adapter named {name!r} is loaded; loaded: {sorted(self._lora_live)}")
