@@ -9,10 +9,11 @@ alternatives when the request asked for top logprobs. The sampled tokens are the
 from the processed distribution as usual; only the reported numbers change. Streams score each
 delta over the tokens so far.
 
-Scoring runs on the weights serving when the request ends (and under the request's LoRA
-adapter). Scorings in flight finish before the backend pauses (any mode), so a pause never
-freezes or aborts one; a scoring started while paused runs after resume. Raw logprobs of a
-request whose tokens straddle a weight update are therefore those of the newer weights.
+Scoring runs on the weights serving when the request ends (never under a LoRA adapter: see
+:data:`rlinfer_vllm.lora.PROMPT_LOGPROBS_LORA`). Scorings in flight finish before the backend
+pauses (any mode), so a pause never freezes or aborts one; a scoring started while paused runs
+after resume. Raw logprobs of a request whose tokens straddle a weight update are therefore
+those of the newer weights.
 Cost: one prefill of ``prompt + output`` per raw request (per delta when streaming).
 """
 
