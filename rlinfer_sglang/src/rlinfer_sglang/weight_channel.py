@@ -71,12 +71,17 @@ class WeightChannel(BackendBase):
         pairs = [encode_control({**control, "result": str(result)}), *tensors]
         loop = asyncio.get_running_loop()
         payload = await loop.run_in_executor(None, MultiprocessingSerializer.serialize, pairs)
-        req = UpdateWeightsFromTensorReqInput(
-            serialized_named_tensors=[payload] * self._tp_size, load_format=WEIGHT_LOADER, flush_cache=flush
-        )
         # SGLang >= 0.5.2x wraps tensor updates in begin/end_weight_update; 0.5.16 has neither.
         begin = getattr(io_struct, "BeginWeightUpdateReqInput", None)
         end = getattr(io_struct, "EndWeightUpdateReqInput", None)
+        deferred = flush and begin is None
+        if deferred:
+            # 0.5.16's scheduler asserts that the post-update flush succeeded, and dies when a
+            # request is held by pause(keep) (measured on an H100): flush at the facade's reset
+            flush = False
+        req = UpdateWeightsFromTensorReqInput(
+            serialized_named_tensors=[payload] * self._tp_size, load_format=WEIGHT_LOADER, flush_cache=flush
+        )
         if begin is not None:
             ok, message = await self._guard(tm.begin_weight_update(begin(), None))
             if not ok:
@@ -106,6 +111,8 @@ class WeightChannel(BackendBase):
             raise WeightUpdateError(f"SGLang failed the update: {message}")
         elif flush:
             self._cache_dirty = False
+        elif deferred:
+            self._cache_dirty = True
         if not end_ok:
             raise WeightUpdateError(f"SGLang failed to finish the weight update: {end_message}")
         return outcomes[0]
