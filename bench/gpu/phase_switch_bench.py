@@ -56,6 +56,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Warm-up cycle, then ``args.cycles`` timed cycles."""
     import attrs
     import torch
+
     from rlinfer_core.engine import open_engine
     from rlinfer_core.types import EngineConfig, GenerateRequest, SamplingParams, parse_assignments
     from rlinfer_core.weights import NamedTensors

@@ -107,6 +107,7 @@ def load_weight_sets(
 ) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]], int]:
     """Weights A (the checkpoint) and B (A plus small noise) as CUDA tensors; and their bytes."""
     import torch
+
     from rlinfer_core.transfer.buckets import to_dtype
     from rlinfer_core.transfer.disk import read_tensors
 
@@ -125,6 +126,7 @@ def breakdown(engine: Any, tensors: list[tuple[str, Any]], nbytes: int, repeats:
     """Where an update's time goes, by timing its parts alone (medians): the facade's validation,
     packing for CUDA IPC, and, as the physical floor, one device-to-device copy of the same bytes."""
     import torch
+
     from rlinfer_core.transfer import ipc
     from rlinfer_core.transfer.validate import validate_source
     from rlinfer_core.weights import NamedTensors
@@ -162,10 +164,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """The whole benchmark; stages that fail are recorded and the rest still run if possible."""
     import attrs
     import torch
-    from rlinfer_core.types import EngineConfig, GenerateRequest, SamplingParams, parse_assignments
-    from rlinfer_core.weights import NamedTensors
 
     from rlinfer_core import engine as rl_engine
+    from rlinfer_core.types import EngineConfig, GenerateRequest, SamplingParams, parse_assignments
+    from rlinfer_core.weights import NamedTensors
 
     if not torch.cuda.is_available():
         raise SystemExit("weight_sync_bench: needs a CUDA GPU")

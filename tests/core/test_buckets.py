@@ -7,10 +7,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tensor_helpers import make_tensor
+
 from rlinfer_core.errors import WeightUpdateError
 from rlinfer_core.transfer.buckets import pack, unpack, unpack_all, verify
 from rlinfer_core.weights import Bucket
-from tensor_helpers import make_tensor
 
 DTYPES = ["float32", "bfloat16", "float16", "int64", "int32", "uint8", "bool"]
 

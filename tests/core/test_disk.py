@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from tensor_helpers import make_tensor
+
 from rlinfer_core.errors import WeightUpdateError
 from rlinfer_core.transfer.disk import read_specs, read_tensors, save_dir
 from rlinfer_core.weights import specs_of
-from tensor_helpers import make_tensor
 
 DTYPES = ["float32", "bfloat16", "float16", "int64", "int32", "uint8", "bool"]
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from mp_workers import broadcast_child, ipc_child
+
 from rlinfer_core.transfer.broadcast import WeightBroadcaster, free_port
 from rlinfer_core.transfer.ipc import dumps
 from rlinfer_core.weights import BroadcastGroup

@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 import torch
 from recording_double import DOUBLE_INFO, INSTANCES, RecordingDoubleBackend
+
+from rlinfer_core import hookimpl
 from rlinfer_core.checksum import WeightChecksum, tensor_checksum, verify
 from rlinfer_core.engine import AsyncEngine, request_capabilities
 from rlinfer_core.errors import InvalidRequest, WeightUpdateError
@@ -24,8 +26,6 @@ from rlinfer_core.types import (
     SamplingParams,
 )
 from rlinfer_core.weights import NamedTensors
-
-from rlinfer_core import hookimpl
 
 
 class HijackingObserver:

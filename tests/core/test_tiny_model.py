@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from rlinfer_core.tiny_model import make_tiny_model
 from rlinfer_core.transfer.disk import read_tensors
 

@@ -10,6 +10,7 @@ import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rlinfer_core.errors import InvalidRequest
 from rlinfer_core.types import (
     Capabilities,

@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+
 from rlinfer_core.errors import WeightUpdateError
 from rlinfer_core.transfer.buckets import pack
 from rlinfer_core.transfer.disk import save_dir

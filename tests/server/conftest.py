@@ -56,6 +56,7 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def write_config(path: Path, model: Path) -> Path:
     """The kit's engine settings as a verl-style ``rollout:`` YAML file."""
     import yaml
+
     from rlinfer_conformance.world import default_config
 
     config = default_config(model, {})

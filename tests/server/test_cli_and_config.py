@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from rlinfer_core.config_file import read_config_file
 from rlinfer_core.errors import InvalidRequest
 from rlinfer_core.types import EngineConfig

@@ -16,6 +16,7 @@ import attrs
 
 if TYPE_CHECKING:
     import torch
+
     from rlinfer_core.types import Completion, GenerateRequest
 
 #: logits closer than this count as a tie for the argmax check (at the CPU logprob tolerance)

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rlinfer_core.types import Capability
 
 from rlinfer_conformance.report import KitReport
+from rlinfer_core.types import Capability
 
 SUITE_PACKAGE = "rlinfer_conformance.suite"
 PROFILES = ("ci", "thorough")
@@ -181,11 +181,10 @@ def rlinfer_world(
     pytestconfig: pytest.Config,
 ) -> Iterator[Any]:
     """ONE engine for the whole session, on a tiny random model (seed 0), plus the HF oracle."""
-    from rlinfer_core.engine import open_engine
-    from rlinfer_core.tiny_model import make_tiny_model
-
     from rlinfer_conformance.oracle import Oracle, tie_band
     from rlinfer_conformance.world import BASE, LOGPROB_TOLERANCE, OTHER, EventRecorder, KitWorld, default_config
+    from rlinfer_core.engine import open_engine
+    from rlinfer_core.tiny_model import make_tiny_model
 
     tmp = tmp_path_factory.mktemp("rlinfer-kit")
     base_dir = make_tiny_model(tmp / "model-seed0", seed=0)

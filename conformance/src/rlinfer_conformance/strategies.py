@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hypothesis import strategies as st
+
 from rlinfer_core.types import Capabilities, Capability, ChatMessage, GenerateRequest, SamplingParams
 
 

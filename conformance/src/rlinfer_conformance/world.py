@@ -9,12 +9,11 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from rlinfer_conformance.oracle import Oracle, Parity
+from rlinfer_conformance.report import KitReport
 from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.types import Capability, Completion, EngineConfig, GenerateRequest, SamplingParams
 from rlinfer_core.weights import Buckets, CheckpointDir, NamedTensors, WeightSource
-
-from rlinfer_conformance.oracle import Oracle, Parity
-from rlinfer_conformance.report import KitReport
 
 if TYPE_CHECKING:
     from rlinfer_core.engine import Engine

@@ -16,10 +16,10 @@ from typing import Any, Protocol
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from rlinfer_core.errors import RLInferError
-from rlinfer_core.types import Capabilities, Completion, CompletionDelta, EngineConfig, GenerateRequest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from rlinfer_core.errors import RLInferError
+from rlinfer_core.types import Capabilities, Completion, CompletionDelta, EngineConfig, GenerateRequest
 from rlinfer_server import errors
 from rlinfer_server.convert import Tokens
 from rlinfer_server.guard import Guard
@@ -126,7 +126,7 @@ def create_app(
 
     app.include_router(openai_api.router)
     app.include_router(control.router)
-    app.add_middleware(Guard, settings=settings, metrics=metrics)  # type: ignore[arg-type]
+    app.add_middleware(Guard, settings=settings, metrics=metrics)
     return app
 
 

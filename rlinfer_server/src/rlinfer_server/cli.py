@@ -78,9 +78,9 @@ def run(args: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]
 
     import uvicorn
+
     from rlinfer_core.discovery import get_backend
     from rlinfer_core.engine import AsyncEngine
-
     from rlinfer_server.app import ServedEngine, create_app
 
     get_backend(backend).engine_version()  # fail fast on a missing engine

@@ -7,9 +7,9 @@ import time
 from typing import Any
 
 from fastapi import APIRouter, Request
+
 from rlinfer_core.errors import InvalidRequest, WeightUpdateError
 from rlinfer_core.weights import BroadcastGroup, BroadcastSource, CheckpointDir, TensorSpec, WeightUpdate
-
 from rlinfer_server.app import ServerState
 from rlinfer_server.errors import HTTPError
 from rlinfer_server.schemas import AbortBody, BroadcastGroupBody, EmptyBody, MemoryBody, PauseBody, UpdateWeightsBody

@@ -16,7 +16,6 @@ from typing import Any
 
 from rlinfer_core.errors import InvalidRequest
 from rlinfer_core.types import ChatMessage, Completion, CompletionDelta, GenerateRequest, SamplingParams
-
 from rlinfer_server.schemas import ChatRequest, CompletionRequest, SamplingFields
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -98,11 +97,11 @@ def completion_requests(body: CompletionRequest, tokens: Tokens) -> list[Generat
     elif not prompt:
         raise InvalidRequest("prompt", "must not be empty")
     elif isinstance(prompt[0], int):
-        prompts = [list(prompt)]  # type: ignore[arg-type]
+        prompts = [list(prompt)]
     elif isinstance(prompt[0], str):
-        prompts = [tokens.encode(p) for p in prompt]  # type: ignore[arg-type]
+        prompts = [tokens.encode(p) for p in prompt]
     else:
-        prompts = [list(p) for p in prompt]  # type: ignore[arg-type,union-attr]
+        prompts = [list(p) for p in prompt]
     if body.stream and len(prompts) != 1:
         raise InvalidRequest("prompt", "streaming takes exactly one prompt")
     logprobs = body.logprobs or 0

@@ -11,6 +11,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
 from rlinfer_core.errors import (
     BackendLoadError,
     BackendNotFound,
@@ -21,7 +23,6 @@ from rlinfer_core.errors import (
     UnsupportedCapability,
     WeightUpdateError,
 )
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 
 class HTTPError(Exception):

@@ -10,9 +10,9 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+
 from rlinfer_core.errors import RLInferError
 from rlinfer_core.types import CompletionDelta, GenerateRequest
-
 from rlinfer_server import convert
 from rlinfer_server.app import ServerState
 from rlinfer_server.errors import HTTPError, error_body, status_of

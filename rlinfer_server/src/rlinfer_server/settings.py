@@ -7,6 +7,7 @@ import ipaddress
 import socket
 
 import attrs
+
 from rlinfer_core.errors import InvalidRequest
 
 API_KEY_ENV = "RLINFER_API_KEY"

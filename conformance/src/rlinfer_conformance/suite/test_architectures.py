@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rlinfer_core.tiny_model import ARCHITECTURES
-from rlinfer_core.types import Capability
 
 from rlinfer_conformance.report import KitReport
 from rlinfer_conformance.world import BASE, OTHER, EventRecorder, KitWorld, default_config, make_models
+from rlinfer_core.tiny_model import ARCHITECTURES
+from rlinfer_core.types import Capability
 
 __all__ = ["rlinfer_arch_world", "test_architecture_parity_and_updates"]
 
@@ -44,10 +44,9 @@ def rlinfer_arch_world(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[KitWorld]:
     """An engine on the tiny model of one more architecture, with its oracle."""
-    from rlinfer_core.engine import open_engine
-
     from rlinfer_conformance.oracle import Oracle, tie_band
     from rlinfer_conformance.world import LOGPROB_TOLERANCE
+    from rlinfer_core.engine import open_engine
 
     architecture = str(request.param)
     tmp = Path(tmp_path_factory.mktemp(f"rlinfer-kit-{architecture}"))

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rlinfer_core.errors import EngineDead, UnsupportedCapability
-from rlinfer_core.types import GenerateRequest, SamplingParams
 
 from rlinfer_conformance.world import KitWorld, default_config
+from rlinfer_core.errors import EngineDead, UnsupportedCapability
+from rlinfer_core.types import GenerateRequest, SamplingParams
 
 __all__ = ["test_each_engine_process_killed_in_turn"]
 

@@ -7,6 +7,9 @@ import threading
 from typing import Any
 
 import pytest
+
+from rlinfer_conformance.checks import check_batch
+from rlinfer_conformance.world import BASE, LOGPROB_TOLERANCE, OP_TIMEOUT_S, OTHER, KitWorld
 from rlinfer_core.types import (
     Capability,
     Completion,
@@ -18,9 +21,6 @@ from rlinfer_core.types import (
     PauseMode,
     SamplingParams,
 )
-
-from rlinfer_conformance.checks import check_batch
-from rlinfer_conformance.world import BASE, LOGPROB_TOLERANCE, OP_TIMEOUT_S, OTHER, KitWorld
 
 __all__ = [
     "test_verify_weights_detects_other_weights",

@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 from hypothesis import given, settings
-from rlinfer_core.errors import InvalidRequest
 
 from rlinfer_conformance.strategies import invalid_request_makers
 from rlinfer_conformance.world import KitWorld
+from rlinfer_core.errors import InvalidRequest
 
 __all__ = ["test_invalid_requests_are_rejected", "test_invalid_control_arguments"]
 

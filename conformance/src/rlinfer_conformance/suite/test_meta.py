@@ -8,9 +8,8 @@ import pkgutil
 from collections.abc import Iterator
 from typing import Any
 
-from rlinfer_core.types import Capability
-
 from rlinfer_core import hookspecs
+from rlinfer_core.types import Capability
 
 __all__ = ["test_every_hook_is_exercised", "test_every_capability_has_positive_and_negative_tests"]
 

@@ -6,11 +6,11 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
-from rlinfer_core.errors import InvalidRequest, WeightUpdateError
-from rlinfer_core.types import Capability, GenerateRequest, MemoryTag, SamplingParams
 
 from rlinfer_conformance.checks import check_batch
 from rlinfer_conformance.world import BASE, OTHER, KitWorld
+from rlinfer_core.errors import InvalidRequest, WeightUpdateError
+from rlinfer_core.types import Capability, GenerateRequest, MemoryTag, SamplingParams
 
 __all__ = ["test_state_machine"]
 
