@@ -8,7 +8,7 @@ VENVS := .venvs
 DEMO_BACKEND ?= vllm
 DEMO_OUT ?= out/demo
 
-.PHONY: env-core env-vllm env-sglang envs demo test lint typecheck test-core test-vllm test-sglang test-ray test-server test-wheels test-vllm-server thorough clean-envs
+.PHONY: env-core env-vllm env-sglang envs demo test lint typecheck test-core test-vllm test-sglang test-ray test-ray-sglang test-server test-wheels test-vllm-server thorough clean-envs
 
 env-core: $(VENVS)/core/.built
 env-vllm: $(VENVS)/vllm/.built
@@ -55,12 +55,16 @@ test-vllm-server: env-vllm
 # extra-architecture tests open single engines of their own (not the pool) and ran in
 # test-vllm/test-sglang already: deselected here to keep CI time down (~7 min on 2 cores).
 POOL_KIT_SKIP := -k "not test_architecture_parity_and_updates"
-test-ray: env-vllm env-sglang
-	$(VENVS)/vllm/bin/python -m pytest tests/ray -q
+# Ray's local cluster is stopped whatever the outcome, so no Ray process outlives the target.
+RAY_STOP := trap '$(VENVS)/vllm/bin/ray stop --force >/dev/null 2>&1 || true' EXIT;
+# CI: the pool tests and the kit against a vLLM pool; the SGLang pool kit runs in `make thorough`.
+test-ray: env-vllm
+	$(RAY_STOP) $(VENVS)/vllm/bin/python -m pytest tests/ray -q && \
 	$(VENVS)/vllm/bin/python -m pytest tests/backends/test_vllm_conformance.py -q --rlinfer-backend vllm --rlinfer-replicas 2 --rlinfer-report out/conformance-vllm-pool.json $(POOL_KIT_SKIP)
-	$(VENVS)/sglang/bin/python -m pytest tests/backends/test_sglang_conformance.py -q --rlinfer-backend sglang --rlinfer-replicas 2 --rlinfer-report out/conformance-sglang-pool.json $(POOL_KIT_SKIP)
 
-# rlinfer serve with real clients (openai, httpx, hypothesis) over one vLLM CPU server (~5 min)
+test-ray-sglang: env-sglang
+	$(RAY_STOP) $(VENVS)/sglang/bin/python -m pytest tests/backends/test_sglang_conformance.py -q --rlinfer-backend sglang --rlinfer-replicas 2 --rlinfer-report out/conformance-sglang-pool.json $(POOL_KIT_SKIP)
+
 test-server: env-vllm
 	timeout 1500 $(VENVS)/vllm/bin/python -m pytest tests/server -q -p no:cacheprovider
 
@@ -72,7 +76,7 @@ test-wheels:
 test: lint typecheck test-core test-wheels test-vllm test-sglang test-ray test-server
 
 # slower checks, not in `make test`: the kit in vLLM server mode alone takes ~15-25 min on 2 shared cores
-thorough: test test-vllm-server
+thorough: test test-vllm-server test-ray-sglang
 
 clean-envs:
 	rm -rf $(VENVS)
