@@ -159,11 +159,6 @@ def test_stop_id_under_ignore_eos_batch_and_stream(engine: Engine) -> None:
     assert deltas[-1].finish_reason is FinishReason.STOP
 
 
-@pytest.mark.xfail(
-    reason="core: the facade's admission gate holds the request before the backend sees it, and "
-    "AsyncEngine.abort does not release requests waiting at that gate (rlinfer_core/admission.py)",
-    strict=False,
-)
 def test_abort_a_request_held_by_pause_wait(engine: Engine) -> None:
     engine.pause(PauseMode.WAIT)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
