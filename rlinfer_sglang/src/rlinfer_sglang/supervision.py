@@ -210,6 +210,7 @@ class Supervision(BackendBase):
             if mm is not None:
                 with contextlib.suppress(Exception):
                     mm.shutdown()
+            _destroy_zmq_context(tm)
         engine, self._engine = self._engine, None
         if engine is not None:
             with contextlib.suppress(Exception):
@@ -258,3 +259,16 @@ class Supervision(BackendBase):
     def all_engine_processes(self) -> list[int]:
         """Pids of every process the engine start created (alive or not)."""
         return [p.pid for p in self._procs]
+
+
+def _destroy_zmq_context(tm: Any) -> None:
+    """Close the tokenizer manager's zmq sockets without lingering and end their context.
+
+    Otherwise the context's ``__del__`` (at some later garbage collection, e.g. pytest's exit)
+    blocks forever in ``term()`` on a PUSH socket whose peer, the scheduler, is gone.
+    """
+    sock = getattr(tm, "recv_from_detokenizer", None)
+    context = getattr(sock, "context", None)
+    if context is not None:
+        with contextlib.suppress(Exception):
+            context.destroy(linger=0)
