@@ -157,3 +157,26 @@ def check_calls(found: ToolCalls, tools: Sequence[ToolSpec]) -> ToolCalls:
                     )
         out.append(call)
     return attrs.evolve(found, calls=tuple(out))
+
+
+#: the call markers of hermes-style tool calls (hermes, qwen)
+HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
+
+
+def hermes_segments(text: str) -> tuple[list[str], str]:
+    """``<tool_call>`` segments of ``text`` (each to its ``</tool_call>``, or to the end) and the
+    text outside them. Backends parse each segment on its own with their engine's parser, so one
+    malformed call is reported while the others still parse."""
+    segments: list[str] = []
+    outside: list[str] = []
+    pos = 0
+    while True:
+        start = text.find(HERMES_START, pos)
+        if start < 0:
+            outside.append(text[pos:])
+            return segments, "".join(outside)
+        outside.append(text[pos:start])
+        end = text.find(HERMES_END, start + len(HERMES_START))
+        stop = len(text) if end < 0 else end + len(HERMES_END)
+        segments.append(text[start:stop])
+        pos = stop

@@ -34,13 +34,13 @@ from typing import Any
 from rlinfer_core.errors import InvalidRequest
 from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.structured import StructuredKind, StructuredOutput
-from rlinfer_core.tools import ToolCall, ToolCalls, ToolSpec
+from rlinfer_core.tools import HERMES_END as END
+from rlinfer_core.tools import HERMES_START as START
+from rlinfer_core.tools import ToolCall, ToolCalls, ToolSpec, hermes_segments
 
 #: contract parser name -> SGLang tool_call_parser (FunctionCallParser.ToolCallParserEnum)
 ENGINE_PARSERS = {"hermes": "hermes", "qwen": "qwen25", "llama": "llama3"}
 
-#: the call markers of hermes-style output
-START, END = "<tool_call>", "</tool_call>"
 
 _REGEX_SPECIALS = set("\\.^$*+?{}[]|()")
 
@@ -65,24 +65,6 @@ def structured_params(constraint: StructuredOutput | None) -> dict[str, Any]:
 def openai_tools(tools: Sequence[ToolSpec] | None) -> list[dict[str, Any]] | None:
     """The ``tools=`` argument of ``apply_chat_template`` (None without tools)."""
     return [t.to_openai() for t in tools] if tools else None
-
-
-def hermes_segments(text: str) -> tuple[list[str], str]:
-    """``<tool_call>`` segments of ``text`` (each to its ``</tool_call>``, or to the end) and the
-    text outside them."""
-    segments: list[str] = []
-    outside: list[str] = []
-    pos = 0
-    while True:
-        start = text.find(START, pos)
-        if start < 0:
-            outside.append(text[pos:])
-            return segments, "".join(outside)
-        outside.append(text[pos:start])
-        end = text.find(END, start + len(START))
-        stop = len(text) if end < 0 else end + len(END)
-        segments.append(text[start:stop])
-        pos = stop
 
 
 @contextmanager

@@ -21,31 +21,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from rlinfer_core.errors import InvalidRequest
-from rlinfer_core.tools import ToolCall, ToolCalls, ToolSpec
+from rlinfer_core.tools import HERMES_END as END
+from rlinfer_core.tools import HERMES_START as START
+from rlinfer_core.tools import ToolCall, ToolCalls, ToolSpec, hermes_segments
 
 #: contract parser name -> vLLM tool parser name (vllm.tool_parsers.ToolParserManager)
 ENGINE_PARSERS = {"hermes": "hermes", "qwen": "hermes", "llama": "llama3_json"}
-
-#: the call markers of hermes-style output
-START, END = "<tool_call>", "</tool_call>"
-
-
-def hermes_segments(text: str) -> tuple[list[str], str]:
-    """``<tool_call>`` segments of ``text`` (each to its ``</tool_call>``, or to the end) and the
-    text outside them."""
-    segments: list[str] = []
-    outside: list[str] = []
-    pos = 0
-    while True:
-        start = text.find(START, pos)
-        if start < 0:
-            outside.append(text[pos:])
-            return segments, "".join(outside)
-        outside.append(text[pos:start])
-        end = text.find(END, start + len(START))
-        stop = len(text) if end < 0 else end + len(END)
-        segments.append(text[start:stop])
-        pos = stop
 
 
 class ToolParsing:
