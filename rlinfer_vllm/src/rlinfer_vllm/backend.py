@@ -41,6 +41,7 @@ from rlinfer_core.weights import (
     TensorSpec,
 )
 from rlinfer_vllm import convert
+from rlinfer_vllm.batch import complete_all
 from rlinfer_vllm.bench import BenchHooks
 from rlinfer_vllm.capabilities import capabilities, installed_engine, installed_platform
 from rlinfer_vllm.config import engine_args, resolve_platform
@@ -312,15 +313,7 @@ class VllmBackend(WeightHooks, MemoryHooks, BenchHooks, LoraHooks, RawLogprobs):
     async def rlinfer_generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:
         """Run every request concurrently; n completions per request, in request order."""
         self._alive()
-        tasks = [asyncio.ensure_future(self._complete(r)) for r in requests]
-        try:
-            results = await asyncio.gather(*tasks)
-        except BaseException:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
-        return [c for group in results for c in group]
+        return await complete_all(requests, self._complete)
 
     async def _complete(self, request: GenerateRequest) -> list[Completion]:
         from vllm.inputs.engine import tokens_input

@@ -31,6 +31,7 @@ from rlinfer_core.types import (
 )
 from rlinfer_core.weights import TensorSpec
 from rlinfer_vllm import convert as inproc_convert
+from rlinfer_vllm.batch import complete_all
 from rlinfer_vllm.capabilities import capabilities, installed_engine, installed_platform
 from rlinfer_vllm.config import engine_args, resolve_platform
 from rlinfer_vllm.server_mode import convert
@@ -227,15 +228,7 @@ class VllmServerBackend(ServerWeightHooks, ServerMemoryHooks):
     async def rlinfer_generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:
         """Every request concurrently (one HTTP call each); n completions per request, in order."""
         self._alive()
-        tasks = [asyncio.ensure_future(self._complete(r)) for r in requests]
-        try:
-            results = await asyncio.gather(*tasks)
-        except BaseException:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
-        return [c for group in results for c in group]
+        return await complete_all(requests, self._complete)
 
     async def _complete(self, request: GenerateRequest) -> list[Completion]:
         http = self._alive()
