@@ -262,9 +262,14 @@ class WeightChannel(BackendBase):
         from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
 
         tm = self._alive()
-        ok, message, *_ = await self._guard(
-            tm.update_weights_from_disk(UpdateWeightFromDiskReqInput(model_path=str(Path(path).resolve())), None)
-        )
+        request = UpdateWeightFromDiskReqInput(model_path=str(Path(path).resolve()))
+        # The scheduler's own flush refuses while a just-finished request is still in its running
+        # batch (a race right after generate); flush through the same retrying reset rlinfer uses.
+        deferred_flush = hasattr(request, "flush_cache")
+        if deferred_flush:
+            request.flush_cache = False
+        ok, message, *_ = await self._guard(tm.update_weights_from_disk(request, None))
         if not ok:
             raise WeightUpdateError(f"SGLang update_weights_from_disk failed: {message}")
-        self._cache_dirty = False
+        self._cache_dirty = deferred_flush
+        await self.rlinfer_reset_prefix_cache()
