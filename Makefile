@@ -16,12 +16,12 @@ env-sglang: $(VENVS)/sglang/.built
 envs: env-core env-vllm env-sglang
 
 # Each stamp depends on its recipe and pins, so editing them rebuilds; otherwise this is instant.
-$(VENVS)/core/.built: envs/build_env.sh envs/core.txt envs/constraints-cpu.txt
-	PYTHON=$(PYTHON) bash envs/build_env.sh core
-$(VENVS)/vllm/.built: envs/build_env.sh envs/vllm-cpu.txt envs/constraints-cpu.txt
-	PYTHON=$(PYTHON) bash envs/build_env.sh vllm
-$(VENVS)/sglang/.built: envs/build_env.sh envs/sglang-cpu.txt envs/constraints-cpu.txt envs/post_sglang.sh $(shell find envs/cpu_support -type f -not -name "*.pyc" 2>/dev/null)
-	PYTHON=$(PYTHON) bash envs/build_env.sh sglang
+$(VENVS)/core/.built: dev/envs/build_env.sh dev/envs/core.txt dev/envs/constraints-cpu.txt
+	PYTHON=$(PYTHON) bash dev/envs/build_env.sh core
+$(VENVS)/vllm/.built: dev/envs/build_env.sh dev/envs/vllm-cpu.txt dev/envs/constraints-cpu.txt
+	PYTHON=$(PYTHON) bash dev/envs/build_env.sh vllm
+$(VENVS)/sglang/.built: dev/envs/build_env.sh dev/envs/sglang-cpu.txt dev/envs/constraints-cpu.txt dev/envs/post_sglang.sh $(shell find dev/envs/cpu_support -type f -not -name "*.pyc" 2>/dev/null)
+	PYTHON=$(PYTHON) bash dev/envs/build_env.sh sglang
 
 demo: env-$(DEMO_BACKEND)
 	$(VENVS)/$(DEMO_BACKEND)/bin/rlinfer demo --backend $(DEMO_BACKEND) --out $(DEMO_OUT)
@@ -71,7 +71,7 @@ test-server: env-vllm
 # Packaging: wheel + sdist of every distribution, installed (not editable) into a fresh venv;
 # `rlinfer backends` must list both backends from there (< 1 min once the build tools exist).
 test-wheels:
-	PYTHON=$(PYTHON) bash envs/test_wheels.sh
+	PYTHON=$(PYTHON) bash dev/envs/test_wheels.sh
 
 test: lint typecheck test-core test-wheels test-vllm test-sglang test-ray test-server
 

@@ -15,10 +15,10 @@ DEFAULT_STEPS = 30
 
 
 def repo_root() -> Path | None:
-    """The project checkout (holding ``envs/build_env.sh``) above the cwd or this package."""
+    """The project checkout (holding ``dev/envs/build_env.sh``) above the cwd or this package."""
     for start in (Path.cwd(), Path(__file__).resolve()):
         for candidate in (start, *start.parents):
-            if (candidate / "envs" / "build_env.sh").is_file():
+            if (candidate / "dev" / "envs" / "build_env.sh").is_file():
                 return candidate
     return None
 
@@ -28,7 +28,7 @@ def env_hint(name: str) -> str:
     root = repo_root()
     if root is None:
         return ""
-    envs = root / "envs"
+    envs = root / "dev" / "envs"
     if not ((envs / f"{name}-cpu.txt").is_file() or (envs / f"{name}.txt").is_file()):
         return ""
     venv = root / ".venvs" / name

@@ -6,7 +6,7 @@ exist``), which also breaks ``import transformers``. This script rewrites, in th
 file, ``@torch.library.register_fake("torchvision::nms")`` (and ``qnms``) into a decorator that
 registers the fake kernel only if the operator exists. It is idempotent and checks its result by
 importing torchvision. Run with the target environment's interpreter:
-``.venvs/sglang/bin/python envs/cpu_support/torchvision_guard.py``.
+``.venvs/sglang/bin/python dev/envs/cpu_support/torchvision_guard.py``.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# ON THE DEVICE: run rlinfer's GPU checks against an installed engine bundle (gpu/install.sh).
-# Usage: bash gpu/run_suite.sh vllm|sglang [STEP...]
+# ON THE DEVICE: run rlinfer's GPU checks against an installed engine bundle (dev/gpu/install.sh).
+# Usage: bash dev/gpu/run_suite.sh vllm|sglang [STEP...]
 #   STEPs (default: all, in this order): info model conformance bench weightsync
 #   - info:        nvidia-smi, versions, `rlinfer backends --json`             -> $OUT/info-E.txt
 #   - model:       the ~0.6B random bf16 model in $RLINFER_GPU_MODEL (kept while warm)
 #   - conformance: the conformance kit                                         -> $OUT/conformance-E.{json,log}
 #   - bench:       `rlinfer bench` (rlinfer vs raw engine) on that model        -> $OUT/bench-E.{json,log}
-#   - weightsync:  bench/gpu/weight_sync_bench.py (CUDA-IPC GB/s, release/resume) -> $OUT/weightsync-E.{json,log}
-#   - phase:       bench/gpu/phase_switch_bench.py (release -> train -> resume -> update -> first token)
+#   - weightsync:  dev/gpu/bench/weight_sync_bench.py (CUDA-IPC GB/s, release/resume) -> $OUT/weightsync-E.{json,log}
+#   - phase:       dev/gpu/bench/phase_switch_bench.py (release -> train -> resume -> update -> first token)
 #                                                                                -> $OUT/phase-E.{json,log}
 # A run call is limited to 600 s and an engine start takes ~1.5 min on the GPU, so pass one or
 # two steps per call (docs/gpu.md has the sequence). Per-step time limits: RLINFER_GPU_TIMEOUT
@@ -26,7 +26,7 @@ shift
 STEPS=("$@")
 [ ${#STEPS[@]} -eq 0 ] && STEPS=(info model conformance bench weightsync)
 HERE=$(cd "$(dirname "$0")" && pwd)
-REPO=$(dirname "$HERE")
+REPO=$(cd "$HERE/../.." && pwd)
 cd "$REPO"
 OUT=${OUT:-/tmp/rlinfer_out}
 mkdir -p "$OUT"
@@ -34,7 +34,7 @@ MODEL=${RLINFER_GPU_MODEL:-/tmp/rlinfer_model}
 LIMIT=${RLINFER_GPU_TIMEOUT:-540}
 SITE=${GPU_SITE_ROOT:-/tmp}/${ENGINE}_site
 if [ ! -f "$SITE/.installed" ]; then
-  echo "run_suite: $SITE is not installed; stage the parts and run gpu/install.sh $ENGINE first" >&2
+  echo "run_suite: $SITE is not installed; stage the parts and run dev/gpu/install.sh $ENGINE first" >&2
   exit 2
 fi
 # shellcheck source=/dev/null
@@ -91,12 +91,12 @@ for s in "${STEPS[@]}"; do
         --json-out "$OUT/bench-$ENGINE.json" "${ENGINE_ARGS[@]}" ${RLINFER_GPU_BENCH_ARGS:-}
       ;;
     weightsync)
-      step weightsync "$OUT/weightsync-$ENGINE.log" python3 bench/gpu/weight_sync_bench.py \
+      step weightsync "$OUT/weightsync-$ENGINE.log" python3 dev/gpu/bench/weight_sync_bench.py \
         --backend "$ENGINE" --model "$MODEL" --json-out "$OUT/weightsync-$ENGINE.json" \
         "${ENGINE_ARGS[@]}" ${RLINFER_GPU_WEIGHTSYNC_ARGS:-}
       ;;
     phase)
-      step phase "$OUT/phase-$ENGINE.log" python3 bench/gpu/phase_switch_bench.py \
+      step phase "$OUT/phase-$ENGINE.log" python3 dev/gpu/bench/phase_switch_bench.py \
         --backend "$ENGINE" --model "$MODEL" --json-out "$OUT/phase-$ENGINE.json" "${ENGINE_ARGS[@]}"
       ;;
     *)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # ON THE DEVICE: move carried bundle part(s) into the stage dir, which a warm machine keeps
-# between run calls. Usage: bash gpu/stage.sh .gpu/parts/vllm-part01 [more parts...]
+# between run calls. Usage: bash dev/gpu/stage.sh .gpu/parts/vllm-part01 [more parts...]
 # Prints which parts of each engine are still missing (docs/gpu.md has the call sequence).
 set -euo pipefail
 STAGE=${GPU_STAGE:-/tmp/gpu_stage}

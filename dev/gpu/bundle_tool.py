@@ -1,8 +1,8 @@
 """Device-side helpers for the staged wheel bundles (stdlib only; runs under the image's python3).
 
-    python3 gpu/bundle_tool.py status   --stage /tmp/gpu_stage [ENGINE ...]
-    python3 gpu/bundle_tool.py assemble --stage /tmp/gpu_stage ENGINE   # join chunks, check sha256
-    python3 gpu/bundle_tool.py pythonpath SITE_DIR                     # SITE_DIR + its .pth dirs
+    python3 dev/gpu/bundle_tool.py status   --stage /tmp/gpu_stage [ENGINE ...]
+    python3 dev/gpu/bundle_tool.py assemble --stage /tmp/gpu_stage ENGINE   # join chunks, check sha256
+    python3 dev/gpu/bundle_tool.py pythonpath SITE_DIR                     # SITE_DIR + its .pth dirs
 
 ``status`` says, per engine, which parts are still to be staged. ``assemble`` leaves only whole,
 verified wheels in ``STAGE/ENGINE/wheels/`` and exits 1 (naming the missing parts) if any piece is

@@ -1,7 +1,7 @@
 """CPU test stand-in for ``sgl_kernel`` (SGLang's CUDA kernel package).
 
 This is test infrastructure for running real SGLang on a CPU-only machine, installed only by
-``envs/post_sglang.sh`` into the CPU test environment. SGLang 0.5.23 imports the names below at module
+``dev/envs/post_sglang.sh`` into the CPU test environment. SGLang 0.5.23 imports the names below at module
 level on its CPU path; none is called when serving a dense model without speculative decoding.
 Each raises ``NotImplementedError`` if it is. No ``torch.ops.sgl_kernel`` operator is registered,
 so SGLang's CPU-kernel (AMX) detection reports False and SGLang uses native PyTorch code.
@@ -30,7 +30,7 @@ def _stub(name: str) -> Any:
     def fn(*args: Any, **kwargs: Any) -> NoReturn:
         raise NotImplementedError(
             f"sgl_kernel.{name} is not available: this is the CPU test shim "
-            "(envs/cpu_support), which provides no kernels. Install the real sglang-kernel on GPU."
+            "(dev/envs/cpu_support), which provides no kernels. Install the real sglang-kernel on GPU."
         )
 
     fn.__name__ = name

@@ -1,10 +1,10 @@
 # ON THE DEVICE, sourced: environment for running rlinfer on an installed engine bundle.
-# Usage: source gpu/env.sh vllm|sglang
+# Usage: source dev/gpu/env.sh vllm|sglang
 # The site dir goes FIRST on PYTHONPATH so the bundle shadows the image where it must
 # (SGLang pins transformers 5.12.1, tokenizers, protobuf); then the repo's sources.
-_gpu_engine=${1:?usage: source gpu/env.sh vllm|sglang}
+_gpu_engine=${1:?usage: source dev/gpu/env.sh vllm|sglang}
 _gpu_here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-_gpu_repo=$(dirname "$_gpu_here")
+_gpu_repo=$(cd "$_gpu_here/../.." && pwd)
 _gpu_site=${GPU_SITE_ROOT:-/tmp}/${_gpu_engine}_site
 case "$_gpu_engine" in
   vllm) _gpu_backend=rlinfer_vllm ;;

@@ -4,7 +4,7 @@ Both engines are open at once on the same model and take turns on the same batch
 machine's background load hits both alike); reports the median tokens/s of each and the ratio,
 plus the server's raw ``/v1/completions`` baseline on the same batches.
 
-    .venvs/vllm/bin/python bench/vllm_server_mode.py --runs 7 [--model DIR] [--json-out FILE]
+    .venvs/vllm/bin/python dev/bench/vllm_server_mode.py --runs 7 [--model DIR] [--json-out FILE]
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ big enough for a weight-sync GB/s figure, small enough to make in ~20 s. Built w
 the tokenizer's vocabulary is then padded with plain filler tokens up to the model's vocab size,
 so every token id an engine samples can be detokenized.
 
-    python3 gpu/make_model.py /tmp/rlinfer_model [--layers 24] [--seed 0]
+    python3 dev/gpu/make_model.py /tmp/rlinfer_model [--layers 24] [--seed 0]
 """
 
 from __future__ import annotations

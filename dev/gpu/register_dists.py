@@ -8,7 +8,7 @@ for each package, a minimal ``NAME-VERSION.dist-info`` (METADATA, entry_points.t
 RECORD) into SITE, read off the package's own pyproject.toml, plus ``SITE/bin/<script>`` wrappers
 for ``[project.scripts]``.
 
-    python3 gpu/register_dists.py --site /tmp/vllm_site rlinfer_core conformance rlinfer_vllm
+    python3 dev/gpu/register_dists.py --site /tmp/vllm_site rlinfer_core conformance rlinfer_vllm
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def dist_info_name(name: str, version: str) -> str:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# SGLang CPU fix-ups, run by build_env.sh after envs/sglang-cpu.txt is installed. CPU test
-# infrastructure only (see envs/cpu_support/README.md); a GPU install never runs this.
+# SGLang CPU fix-ups, run by build_env.sh after dev/envs/sglang-cpu.txt is installed. CPU test
+# infrastructure only (see dev/envs/cpu_support/README.md); a GPU install never runs this.
 #  1. sglang itself with --no-deps: its metadata pins torch==2.14.1 and CUDA-only packages; the
 #     rest of its requirements are in sglang-cpu.txt.
 #  2. the `sgl_kernel` CPU shim (an importable stand-in, no kernels).

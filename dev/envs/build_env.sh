@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Build one virtual environment under .venvs/NAME from the registries.
-#   envs/build_env.sh core|vllm|sglang
-# Steps: venv -> CPU torch (pinned) -> the env's requirements under envs/constraints-cpu.txt
-# -> envs/post_NAME.sh (engine-specific fix-ups, optional) -> rlinfer packages (editable)
+#   dev/envs/build_env.sh core|vllm|sglang
+# Steps: venv -> CPU torch (pinned) -> the env's requirements under dev/envs/constraints-cpu.txt
+# -> dev/envs/post_NAME.sh (engine-specific fix-ups, optional) -> rlinfer packages (editable)
 # -> a stamp file. Re-running after success is a no-op (make checks the stamp).
 set -euo pipefail
 name="$1"
-root="$(cd "$(dirname "$0")/.." && pwd)"
+root="$(cd "$(dirname "$0")/../.." && pwd)"
 venv="$root/.venvs/$name"
 python="${PYTHON:-python3.11}"
 req="$root/envs/$name.txt"

@@ -5,7 +5,7 @@ The device image (Python 3.12, torch 2.11.0+cu130) has no network and no vllm/sg
 
 1. resolve each engine's dependency closure for CPython 3.12 / manylinux x86_64 (``pip install
    --dry-run --report``, nothing installed);
-2. leave out what the image already has (``gpu/image_packages.txt``) unless the engine must
+2. leave out what the image already has (``dev/gpu/image_packages.txt``) unless the engine must
    shadow it (KEEP), and what is not needed to start and generate (DROP);
 3. download the rest (``pip download --no-deps``);
 4. prune the big wheels (files that the Hopper path never imports) and rewrite their RECORD;
@@ -13,8 +13,8 @@ The device image (Python 3.12, torch 2.11.0+cu130) has no network and no vllm/sg
    each holding ``<engine>/`` files (wheels, or ``.chunkNN`` pieces of a wheel larger than a
    part) plus ``<engine>/MANIFEST.json`` (every wheel's sha256 and its pieces).
 
-``gpu/stage.sh`` and ``gpu/install.sh`` reassemble and install them on the device; docs/gpu.md
-says which ``run`` calls carry which part. Run: ``python3 gpu/build_bundle.py [vllm] [sglang]``.
+``dev/gpu/stage.sh`` and ``dev/gpu/install.sh`` reassemble and install them on the device; docs/gpu.md
+says which ``run`` calls carry which part. Run: ``python3 dev/gpu/build_bundle.py [vllm] [sglang]``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
 
 PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in range(5, 40)] + [
@@ -370,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("engines", nargs="*", metavar="ENGINE", help=f"among {sorted(RECIPES)} (default: all)")
     parser.add_argument("--out", type=Path, default=REPO / ".gpu")
     parser.add_argument("--part-mib", type=int, default=58, help="max MiB per part (a run carries <= 64 MiB)")
-    parser.add_argument("--image-packages", type=Path, default=REPO / "gpu" / "image_packages.txt")
+    parser.add_argument("--image-packages", type=Path, default=REPO / "dev" / "gpu" / "image_packages.txt")
     parser.add_argument("--reuse", action="store_true", help="keep already downloaded wheels")
     parser.add_argument("--with-toolchain", action="store_true", help="bundle the CUDA compiler wheels too")
     args = parser.parse_args(argv)

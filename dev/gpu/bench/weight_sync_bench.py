@@ -14,7 +14,7 @@ For a >= 1 GB bf16 model served by a real engine on one GPU (trainer and engine 
   release/resume (on GPU, bf16 kernels are not bit-deterministic, so this is reported, not
   asserted: ``prefix_agreement`` is the mean fraction of leading tokens that agree).
 
-    python3 bench/gpu/weight_sync_bench.py --backend vllm --model /tmp/rlinfer_model \
+    python3 dev/gpu/bench/weight_sync_bench.py --backend vllm --model /tmp/rlinfer_model \
         --json-out $OUT/weightsync-vllm.json
 
 Writes one JSON document; exits 1 if any stage raised (the error is in the JSON).

@@ -4,9 +4,9 @@
 # `rlinfer backends --json` from there: both backends must be listed, no plugin may fail to load.
 # The engines (vllm, sglang: GB of CUDA wheels) are not installed: the rlinfer wheels go in with
 # --no-deps, then their light pure-Python dependencies from the registry.
-#   envs/test_wheels.sh            (make test-wheels)
+#   dev/envs/test_wheels.sh            (make test-wheels)
 set -euo pipefail
-root="$(cd "$(dirname "$0")/.." && pwd)"
+root="$(cd "$(dirname "$0")/../.." && pwd)"
 python="${PYTHON:-python3.11}"
 out="$root/out/wheels"
 tools="$root/.venvs/build-tools"   # build + hatchling, reused between runs

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # ON THE DEVICE: install a fully staged engine bundle into its own site dir (offline).
-# Usage: bash gpu/install.sh vllm|sglang [--dry-run]
+# Usage: bash dev/gpu/install.sh vllm|sglang [--dry-run]
 # Joins chunked wheels, checks every sha256, pip-installs with --no-index --no-deps into
 # /tmp/<engine>_site, registers the repo's rlinfer packages there (entry points), and prints the
-# environment to use (or: source gpu/env.sh <engine>).
+# environment to use (or: source dev/gpu/env.sh <engine>).
 set -euo pipefail
 ENGINE=${1:?usage: install.sh vllm|sglang [--dry-run]}
 DRY=${2:-}
 STAGE=${GPU_STAGE:-/tmp/gpu_stage}
 HERE=$(cd "$(dirname "$0")" && pwd)
-REPO=$(dirname "$HERE")
+REPO=$(cd "$HERE/../.." && pwd)
 SITE=${GPU_SITE_ROOT:-/tmp}/${ENGINE}_site
 PY=${PYTHON:-python3}
 case "$ENGINE" in
@@ -36,5 +36,5 @@ else
   echo "${#WHEELS[@]} wheels, $(( $(date +%s) - start )) s" > "$SITE/.installed"
   echo "install: $ENGINE -> $SITE in $(( $(date +%s) - start )) s ($(du -sm "$SITE" | cut -f1) MiB)"
 fi
-echo "# environment for $ENGINE (same as: source gpu/env.sh $ENGINE):"
+echo "# environment for $ENGINE (same as: source dev/gpu/env.sh $ENGINE):"
 ( source "$HERE/env.sh" "$ENGINE" && env | grep -E '^(PYTHONPATH|LD_LIBRARY_PATH|PATH|PYTHONUNBUFFERED|HF_HUB_OFFLINE|TRANSFORMERS_OFFLINE|TOKENIZERS_PARALLELISM)=' | sed 's/^/export /' )

@@ -13,7 +13,7 @@ Each phase is timed with the GPU synchronised on both sides; medians and spread 
 ``--cycles`` cycles after one warm-up cycle. ``switch_s`` is the sum of every phase except the
 stand-in train step (the time the switch itself costs); ``total_s`` includes it.
 
-    python3 bench/gpu/phase_switch_bench.py --backend vllm --model /tmp/rlinfer_model \
+    python3 dev/gpu/bench/phase_switch_bench.py --backend vllm --model /tmp/rlinfer_model \
         --json-out $OUT/phase-vllm.json
 """
 
