@@ -13,7 +13,7 @@ import logging
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, assert_never
 
 import attrs
 
@@ -180,24 +180,25 @@ class WeightChannel(BackendBase):
         source = update.source
         control: dict[str, Any]
         cuda_buckets = ipc.pack_cuda(source.tensors) if isinstance(source, NamedTensors) else None
-        if cuda_buckets is not None:
-            outcome = await self._send_buckets(cuda_buckets, snapshot)
-        elif isinstance(source, NamedTensors):
-            outcome = await self._scheduler_op(
-                {"op": "tensors"}, list(source.tensors), flush=True, before_send=snapshot
-            )
-        elif isinstance(source, Buckets):
-            outcome = await self._send_buckets(source.buckets, snapshot)
-        elif isinstance(source, CheckpointDir):
-            control = {"op": "disk", "path": str(Path(source.path).resolve())}
-            outcome = await self._scheduler_op(control, flush=True, before_send=snapshot)
-        elif isinstance(source, BroadcastSource):
-            specs = [(s.name, s.dtype, list(s.shape)) for s in source.specs]
-            control = {"op": "broadcast", "group_name": self._group_name, "specs": specs}
-            outcome = await self._scheduler_op(control, flush=True, before_send=snapshot)
-        else:
-            raise WeightUpdateError(f"unknown weight source {type(source).__name__}")
-        return outcome
+        # exhaustive: a new WeightSource type is a mypy error here until it is handled
+        match source:
+            case NamedTensors() if cuda_buckets is not None:
+                return await self._send_buckets(cuda_buckets, snapshot)
+            case NamedTensors():
+                return await self._scheduler_op(
+                    {"op": "tensors"}, list(source.tensors), flush=True, before_send=snapshot
+                )
+            case Buckets():
+                return await self._send_buckets(source.buckets, snapshot)
+            case CheckpointDir():
+                control = {"op": "disk", "path": str(Path(source.path).resolve())}
+                return await self._scheduler_op(control, flush=True, before_send=snapshot)
+            case BroadcastSource():
+                specs = [(s.name, s.dtype, list(s.shape)) for s in source.specs]
+                control = {"op": "broadcast", "group_name": self._group_name, "specs": specs}
+                return await self._scheduler_op(control, flush=True, before_send=snapshot)
+            case _:
+                assert_never(source)
 
     async def _send_buckets(self, buckets: Sequence[Bucket], before_send: Callable[[], None]) -> dict[str, Any]:
         manifests = [attrs.asdict(b.manifest) for b in buckets]

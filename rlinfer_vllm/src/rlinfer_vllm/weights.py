@@ -10,7 +10,7 @@ import pickle
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, assert_never
 
 import attrs
 
@@ -103,19 +103,21 @@ class WeightHooks:
             if cuda_buckets is None and isinstance(source, NamedTensors):
                 payload = await loop.run_in_executor(None, ipc.dumps, list(source.tensors))
             async with self._paused_for_load():
-                if cuda_buckets is not None:
-                    worker = await self._send_buckets(cuda_buckets)
-                elif payload is not None:
-                    worker = await self._rpc("rlinfer_load_ipc", payload)
-                elif isinstance(source, Buckets):
-                    worker = await self._send_buckets(source.buckets)
-                elif isinstance(source, CheckpointDir):
-                    worker = await self._rpc("rlinfer_load_dir", str(Path(source.path).resolve()))
-                elif isinstance(source, BroadcastSource):
-                    specs = [(s.name, s.dtype, list(s.shape)) for s in source.specs]
-                    worker = await self._rpc("rlinfer_load_broadcast", specs)
-                else:
-                    raise WeightUpdateError(f"unknown weight source {type(source).__name__}")
+                # exhaustive: a new WeightSource type is a mypy error here until it is handled
+                match source:
+                    case NamedTensors() if cuda_buckets is not None:
+                        worker = await self._send_buckets(cuda_buckets)
+                    case NamedTensors():
+                        worker = await self._rpc("rlinfer_load_ipc", payload)
+                    case Buckets():
+                        worker = await self._send_buckets(source.buckets)
+                    case CheckpointDir():
+                        worker = await self._rpc("rlinfer_load_dir", str(Path(source.path).resolve()))
+                    case BroadcastSource():
+                        specs = [(s.name, s.dtype, list(s.shape)) for s in source.specs]
+                        worker = await self._rpc("rlinfer_load_broadcast", specs)
+                    case _:
+                        assert_never(source)
                 assert self._versions is not None
                 if update.version is not None:
                     self._versions.version = update.version
