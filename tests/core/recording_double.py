@@ -6,18 +6,24 @@ outputs and records every call, so the tests can check what the facade does *aro
 backend: the conformance kit runs real engines only.
 
 It is configured through ``EngineConfig.engine_kwargs``:
-``supported`` (capability values), ``generate_delay_s``, ``fail_update`` (raise while loading).
+``supported`` (capability values), ``generate_delay_s``, ``fail_update`` (raise while loading),
+``without`` (hook names the double pretends not to implement).
+Its tool-call parser is a pure-Python hermes parser; its LoRA hooks keep adapters in a dict.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from rlinfer_core import hookimpl
 from rlinfer_core.discovery import BackendInfo
+from rlinfer_core.lora import LoraAdapter
 from rlinfer_core.model_info import ModelInfo
+from rlinfer_core.tools import ToolCall, ToolCalls, ToolSpec
 from rlinfer_core.types import (
     Capabilities,
     Capability,
@@ -53,6 +59,7 @@ class RecordingDoubleBackend:
         self.fail_update = bool(kwargs.get("fail_update", False))
         self.calls: list[tuple[str, Any]] = []
         self.started = False
+        self.adapters: dict[str, LoraAdapter] = {}
         INSTANCES.append(self)
 
     def names(self) -> list[str]:
@@ -164,9 +171,41 @@ class RecordingDoubleBackend:
     async def rlinfer_bench_raw_weight_update(self, path: str) -> None:
         self.calls.append(("bench_raw_weight_update", path))
 
+    @hookimpl
+    def rlinfer_parse_tool_calls(self, text: str, parser: str, tools: Sequence[ToolSpec]) -> ToolCalls:
+        """A pure-Python hermes parser standing in for an engine's (whatever ``parser`` says)."""
+        self.calls.append(("parse_tool_calls", parser))
+        calls = []
+        for raw in re.findall(r"<tool_call>.*?(?:</tool_call>|$)", text, flags=re.S):
+            body = raw.removeprefix("<tool_call>").removesuffix("</tool_call>")
+            try:
+                data = json.loads(body)
+                calls.append(ToolCall(data["name"], data["arguments"], json.dumps(data["arguments"]), raw))
+            except (ValueError, KeyError) as exc:
+                calls.append(ToolCall(None, raw=raw, error=f"not a call: {exc}"))
+        return ToolCalls(parser, tuple(calls), text.split("<tool_call>")[0] or None)
+
+    @hookimpl
+    async def rlinfer_load_lora(self, adapter: LoraAdapter, replace: bool) -> None:
+        self.calls.append(("load_lora", adapter.name))
+        assert (adapter.name in self.adapters) == replace, "the facade knows which adapters are loaded"
+        self.adapters[adapter.name] = adapter
+
+    @hookimpl
+    async def rlinfer_unload_lora(self, name: str) -> None:
+        self.calls.append(("unload_lora", name))
+        del self.adapters[name]
+
+    @hookimpl
+    async def rlinfer_list_loras(self) -> list[str]:
+        return list(self.adapters)
+
 
 def make_double(config: EngineConfig) -> RecordingDoubleBackend:
-    """Factory named by :data:`DOUBLE_INFO`."""
+    """Factory named by :data:`DOUBLE_INFO`; ``without`` hooks are None (not implemented)."""
+    without = config.engine_kwargs.get("without", ())
+    if without:
+        return type("PartialDouble", (RecordingDoubleBackend,), dict.fromkeys(without))(config)  # type: ignore[no-any-return]
     return RecordingDoubleBackend(config)
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
-import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from rlinfer_core.lora import LoraAdapter
 from rlinfer_core.model_info import ModelInfo
 from rlinfer_core.scoring import ScoreRequest
 from rlinfer_core.session import NO_VERSION
-from rlinfer_core.tools import ToolCall, ToolCalls, ToolSpec
+from rlinfer_core.tools import ToolSpec
 from rlinfer_core.types import Capabilities, Capability, Completion, EngineConfig, GenerateRequest, SamplingParams
 
 ADD = ToolSpec(
@@ -57,19 +56,6 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", seed=0, spec=TinyModelSpec(num_hidden_layers=1))
 
 
-def hermes(text: str, parser: str, tools: Sequence[ToolSpec]) -> ToolCalls:
-    """A pure-Python hermes parser standing in for the engine's (test only)."""
-    calls = []
-    for raw in re.findall(r"<tool_call>.*?(?:</tool_call>|$)", text, flags=re.S):
-        body = raw.removeprefix("<tool_call>").removesuffix("</tool_call>")
-        try:
-            data = json.loads(body)
-            calls.append(ToolCall(data["name"], data["arguments"], json.dumps(data["arguments"]), raw))
-        except (ValueError, KeyError) as exc:
-            calls.append(ToolCall(None, raw=raw, error=f"not a call: {exc}"))
-    return ToolCalls(parser, tuple(calls), text.split("<tool_call>")[0] or None)
-
-
 def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
@@ -96,7 +82,6 @@ def test_derived_capabilities() -> None:
 def test_chat_session_three_turns_with_tool_results(tiny: Path) -> None:
     async def body() -> None:
         engine = await opened(tiny)
-        backend().rlinfer_parse_tool_calls = hermes  # type: ignore[attr-defined]
         session = engine.session(tools=[ADD], tool_parser="hermes", sampling=SamplingParams(max_tokens=5))
         session.add_message("user", "what is 2 + 3?")
         turns = []
@@ -246,7 +231,6 @@ def test_score_reads_prompt_logprobs(tiny: Path) -> None:
 def test_tool_calls_are_parsed_and_checked(tiny: Path) -> None:
     async def body() -> None:
         engine = await opened(tiny)
-        backend().rlinfer_parse_tool_calls = hermes  # type: ignore[attr-defined]
         text = (
             'sure <tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
             '<tool_call>{"name": "mul", "arguments": {}}</tool_call>'
@@ -315,20 +299,6 @@ def test_lora_registry_bookkeeping(tiny: Path, tmp_path: Path) -> None:
 
     async def body() -> None:
         engine = await opened(tiny)
-        held: dict[str, LoraAdapter] = {}
-
-        async def load(adapter: LoraAdapter, replace: bool) -> None:
-            assert (adapter.name in held) == replace
-            held[adapter.name] = adapter
-
-        async def unload(name: str) -> None:
-            del held[name]
-
-        async def listed() -> list[str]:
-            return list(held)
-
-        b = backend()
-        b.rlinfer_load_lora, b.rlinfer_unload_lora, b.rlinfer_list_loras = load, unload, listed  # type: ignore[attr-defined]
         info = await engine.load_lora(LoraAdapter("a", tensors=tensors, config=peft))
         assert (info.rank, info.alpha, info.target_modules, info.version) == (2, 4.0, ("q_proj",), 0)
         assert (await engine.update_lora(LoraAdapter("a", tensors=tensors, config=peft))).version == 1
@@ -338,6 +308,8 @@ def test_lora_registry_bookkeeping(tiny: Path, tmp_path: Path) -> None:
         await engine.generate(GenerateRequest(prompt_token_ids=[1], lora="a"))
         assert [i.name for i in await engine.list_loras()] == ["a"]
         await engine.unload_lora("a")
+        assert [n for n, _ in backend().calls if n.endswith("_lora")] == ["load_lora", "load_lora", "unload_lora"]
+        assert backend().adapters == {}
         with pytest.raises(InvalidRequest) as err:
             await engine.generate(GenerateRequest(prompt_token_ids=[1], lora="a"))
         assert err.value.field == "lora"

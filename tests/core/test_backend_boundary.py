@@ -63,14 +63,47 @@ def test_a_factory_result_without_the_required_hooks_is_refused() -> None:
     assert "rlinfer_start" not in message
 
 
-def test_claiming_a_capability_without_its_hooks_fails_open_and_shuts_down() -> None:
+@pytest.mark.parametrize(
+    ("capability", "without", "needs"),
+    [
+        (Capability.WEIGHTS_CHECKSUM, (), "rlinfer_weights_checksum"),
+        (Capability.TOOLS, ("rlinfer_parse_tool_calls",), "rlinfer_parse_tool_calls"),
+        (Capability.LORA, ("rlinfer_unload_lora",), "rlinfer_unload_lora"),
+    ],
+)
+def test_claiming_a_capability_without_its_hooks_fails_open_and_shuts_down(
+    capability: Capability, without: tuple[str, ...], needs: str
+) -> None:
     async def body() -> None:
         with pytest.raises(BackendLoadError) as info:
-            await opened(supported=[Capability.WEIGHTS_CHECKSUM.value])
-        assert "weights.checksum needs rlinfer_weights_checksum" in str(info.value)
+            await opened(supported=[capability.value], without=without)
+        assert f"{capability.value} needs {needs}" in str(info.value)
         assert INSTANCES[-1].names()[-1] == "shutdown"
 
     asyncio.run(body())
+
+
+def test_the_protocols_mirror_the_operation_hookspecs() -> None:
+    """Every operation hook of the published contract is in exactly one typed protocol, with the
+    same parameters; FullBackend holds them all and OPTIONAL names every optional protocol."""
+    import inspect
+
+    from rlinfer_core import hookspecs
+    from rlinfer_core.backend import OPTIONAL
+
+    specs = {
+        name: list(inspect.signature(fn).parameters)
+        for name, fn in vars(hookspecs).items()
+        if name.startswith("rlinfer_") and not name.startswith("rlinfer_on_") and callable(fn)
+    }
+    protocols = [Backend, *OPTIONAL]
+    members = [name for p in protocols for name in vars(p) if name.startswith("rlinfer_")]
+    assert sorted(members) == sorted(specs), "one protocol per operation hook, each hook once"
+    for protocol in protocols:
+        for name in (n for n in vars(protocol) if n.startswith("rlinfer_")):
+            assert list(inspect.signature(getattr(protocol, name)).parameters)[1:] == specs[name], name
+    full = {name for name in dir(FullBackend) if name.startswith("rlinfer_")}
+    assert full == set(specs)
 
 
 def test_bench_is_an_optional_capability() -> None:

@@ -16,12 +16,12 @@ they are built on.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from rlinfer_core.errors import UnsupportedCapability
-from rlinfer_core.tools import ToolCalls, ToolSpec, check_calls, check_parser, to_tools
+from rlinfer_core.tools import ToolCalls, check_calls, check_parser, to_tools
 from rlinfer_core.types import Capabilities, Capability, Completion, GenerateRequest
 
 if TYPE_CHECKING:
@@ -70,15 +70,6 @@ def check_agent_request(engine: AsyncEngine, request: GenerateRequest) -> None:
         from rlinfer_core.lora import registry
 
         registry(engine).check_request(request)
-
-
-@runtime_checkable
-class ToolsBackend(Protocol):
-    """The hook behind :attr:`Capability.TOOLS` (see :mod:`rlinfer_core.hookspecs`)."""
-
-    def rlinfer_parse_tool_calls(self, text: str, parser: str, tools: Sequence[ToolSpec]) -> ToolCalls:
-        """Parse tool calls in ``text`` with the engine's own parser."""
-        ...
 
 
 def _parser_impl(engine: AsyncEngine) -> Any:

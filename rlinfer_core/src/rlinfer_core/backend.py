@@ -8,8 +8,11 @@ a backend can let mypy check it::
     class MyBackend:  # structural: no base class needed
         ...
 
-    if TYPE_CHECKING:
-        _: rlinfer_core.backend.FullBackend = MyBackend(config)
+    if TYPE_CHECKING:  # mypy checks every hook's presence and signature
+        _checked: type[rlinfer_core.backend.FullBackend] = MyBackend
+
+(a backend that implements only some optional protocols checks against a protocol combining
+those, as ``rlinfer_sglang.backend`` does).
 
 :class:`Backend` holds the hooks every backend implements. The others are optional, each behind
 the capability that needs it: a backend that does not claim a capability need not implement its
@@ -28,7 +31,9 @@ from rlinfer_core.types import Capability
 
 if TYPE_CHECKING:
     from rlinfer_core.checksum import WeightChecksum
+    from rlinfer_core.lora import LoraAdapter
     from rlinfer_core.model_info import ModelInfo
+    from rlinfer_core.tools import ToolCalls, ToolSpec
     from rlinfer_core.types import (
         Capabilities,
         Completion,
@@ -174,6 +179,32 @@ class BenchBackend(Protocol):
         ...
 
 
+@runtime_checkable
+class ToolsBackend(Protocol):
+    """:attr:`Capability.TOOLS`: tool calls parsed by the engine's own parser."""
+
+    def rlinfer_parse_tool_calls(self, text: str, parser: str, tools: Sequence[ToolSpec]) -> ToolCalls:
+        """Parse tool calls in ``text`` with the engine's own parser."""
+        ...
+
+
+@runtime_checkable
+class LoraBackend(Protocol):
+    """:attr:`Capability.LORA`: adapters loaded, updated in place, unloaded, listed."""
+
+    def rlinfer_load_lora(self, adapter: LoraAdapter, replace: bool) -> Awaitable[None]:
+        """Load (or, with ``replace``, update in place) an adapter."""
+        ...
+
+    def rlinfer_unload_lora(self, name: str) -> Awaitable[None]:
+        """Unload an adapter."""
+        ...
+
+    def rlinfer_list_loras(self) -> Awaitable[Sequence[str]]:
+        """Names of the adapters the engine holds."""
+        ...
+
+
 class FullBackend(
     Backend,
     StreamingBackend,
@@ -185,6 +216,8 @@ class FullBackend(
     PrefixCacheBackend,
     ProcessesBackend,
     BenchBackend,
+    ToolsBackend,
+    LoraBackend,
     Protocol,
 ):
     """Every operation hook: for backends that implement them all and want mypy to check it."""
@@ -201,6 +234,8 @@ OPTIONAL: Mapping[type, Capability | None] = {
     PrefixCacheBackend: Capability.PREFIX_CACHE_RESET,
     ProcessesBackend: None,
     BenchBackend: Capability.BENCH,
+    ToolsBackend: Capability.TOOLS,
+    LoraBackend: Capability.LORA,
 }
 
 
@@ -244,11 +279,13 @@ __all__ = [
     "BroadcastBackend",
     "ChecksumBackend",
     "FullBackend",
+    "LoraBackend",
     "MemoryBackend",
     "PausingBackend",
     "PrefixCacheBackend",
     "ProcessesBackend",
     "StreamingBackend",
+    "ToolsBackend",
     "check_backend",
     "claimed_but_missing",
     "present",

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import json
 import weakref
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -115,23 +115,6 @@ def info_of(adapter: LoraAdapter, version: int = 0) -> LoraInfo:
         (targets,) if isinstance(targets, str) else tuple(sorted(targets)),
         version,
     )
-
-
-@runtime_checkable
-class LoraBackend(Protocol):
-    """The hooks behind :attr:`Capability.LORA` (see :mod:`rlinfer_core.hookspecs`)."""
-
-    def rlinfer_load_lora(self, adapter: LoraAdapter, replace: bool) -> Awaitable[None]:
-        """Load (or, with ``replace``, update in place) an adapter."""
-        ...
-
-    def rlinfer_unload_lora(self, name: str) -> Awaitable[None]:
-        """Unload an adapter."""
-        ...
-
-    def rlinfer_list_loras(self) -> Awaitable[Sequence[str]]:
-        """Names of the adapters the engine holds."""
-        ...
 
 
 class LoraRegistry:

@@ -192,4 +192,41 @@ class SGLangBackend(Supervision, Generation, Memory, AgentHooks):
         return self._info
 
 
+if TYPE_CHECKING:
+    from typing import Protocol
+
+    from rlinfer_core.backend import (
+        AbortingBackend,
+        Backend,
+        BenchBackend,
+        BroadcastBackend,
+        ChecksumBackend,
+        MemoryBackend,
+        PausingBackend,
+        PrefixCacheBackend,
+        ProcessesBackend,
+        StreamingBackend,
+        ToolsBackend,
+    )
+
+    class _Implemented(
+        Backend,
+        StreamingBackend,
+        AbortingBackend,
+        PausingBackend,
+        BroadcastBackend,
+        ChecksumBackend,
+        MemoryBackend,
+        PrefixCacheBackend,
+        ProcessesBackend,
+        BenchBackend,
+        ToolsBackend,
+        Protocol,
+    ):
+        """Every protocol of the typed boundary but LoraBackend (SGLang's LoRA is not claimed)."""
+
+    #: mypy checks the class against those operation hooks (names and signatures)
+    _checked: type[_Implemented] = SGLangBackend
+
+
 __all__ = ["SGLangBackend", "create"]

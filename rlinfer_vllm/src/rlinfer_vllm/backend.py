@@ -487,4 +487,12 @@ def _shutdown_late(future: asyncio.Future[Any], before: set[int]) -> None:
     processes.reap(processes.started_since(before), timeout_s=5.0)
 
 
+if TYPE_CHECKING:
+    from rlinfer_core.backend import FullBackend
+
+    #: mypy checks the class against every operation hook of the typed boundary (names and
+    #: signatures): the in-process backend implements them all
+    _checked: type[FullBackend] = VllmBackend
+
+
 __all__ = ["VllmBackend", "create"]
