@@ -31,8 +31,8 @@ from rlinfer_core.preflight import (
     transport_capability,
     transport_name,
 )
+from rlinfer_core.preflight import pause_mode as preflight_pause_mode
 from rlinfer_core.types import (
-    PAUSE_CAPABILITY,
     Capability,
     Completion,
     CompletionDelta,
@@ -218,11 +218,7 @@ class AsyncEngine(EngineAgent, EngineWeights):
     async def pause(self, mode: PauseMode | str = PauseMode.ABORT) -> None:
         """Pause generation (see PauseMode for what happens to in-flight requests)."""
         self._ensure_open()
-        try:
-            pause_mode = PauseMode(mode)
-        except ValueError:
-            raise InvalidRequest("mode", f"must be one of {[m.value for m in PauseMode]}, got {mode!r}") from None
-        self.capabilities.require(PAUSE_CAPABILITY[pause_mode])
+        pause_mode = preflight_pause_mode(mode, self.capabilities)
         impl = present(self._pause_impl, "rlinfer_pause", self.backend_name)
         # Every request handed to generate/stream before this call is covered by the mode, even
         # one the engine has not registered yet: new ones wait at the gate until resume().

@@ -12,9 +12,9 @@ from rlinfer_core.backend import present
 from rlinfer_core.checksum import WeightChecksum, WeightVerification
 from rlinfer_core.engine_base import EngineBase
 from rlinfer_core.errors import EngineDead, EngineTimeout, InvalidRequest, WeightUpdateError
-from rlinfer_core.preflight import as_memory_tags, transport_capability, transport_name
+from rlinfer_core.preflight import as_memory_tags, as_weight_update, transport_name, update_target
 from rlinfer_core.types import Capability, GenerateRequest, MemoryTag
-from rlinfer_core.weights import BroadcastGroup, NamedTensors, WeightSource, WeightUpdate
+from rlinfer_core.weights import BroadcastGroup, WeightSource, WeightUpdate
 
 
 class EngineWeights(EngineBase):
@@ -32,21 +32,11 @@ class EngineWeights(EngineBase):
         WeightUpdateError is raised and the previous weights and version keep serving.
         """
         self._ensure_open()
-        if isinstance(update, Mapping):
-            update = NamedTensors.of(dict(update))
-        if not isinstance(update, WeightUpdate):
-            update = WeightUpdate(update, version=version)
+        update = as_weight_update(update, version)
         transport = transport_name(update.source)
         async with self._weight_lock:
             try:
-                self.capabilities.require(transport_capability(update.source))
-                target = self._version + 1 if update.version is None else update.version
-                if target <= self._version:
-                    raise WeightUpdateError(
-                        f"version {target} must be greater than the current version {self._version}"
-                    )
-                if MemoryTag.WEIGHTS in self._released:
-                    raise WeightUpdateError("weights are released; call resume_memory(['weights']) first")
+                target = update_target(update, self._version, self.capabilities, self._released)
                 from rlinfer_core.transfer.validate import validate_source
 
                 nbytes = validate_source(update.source, self.weight_specs)

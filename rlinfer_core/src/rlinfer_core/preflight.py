@@ -4,19 +4,28 @@ transport needs, request limits, memory tags. Pure functions; no engine, no torc
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import assert_never
+from typing import Any, assert_never
 
-from rlinfer_core.errors import InvalidRequest
+from rlinfer_core.errors import InvalidRequest, WeightUpdateError
 from rlinfer_core.model_info import ModelInfo
 from rlinfer_core.types import (
     ALL_MEMORY_TAGS,
+    PAUSE_CAPABILITY,
     Capabilities,
     Capability,
     GenerateRequest,
     LogprobsMode,
     MemoryTag,
+    PauseMode,
 )
-from rlinfer_core.weights import BroadcastSource, Buckets, CheckpointDir, NamedTensors, WeightSource
+from rlinfer_core.weights import (
+    BroadcastSource,
+    Buckets,
+    CheckpointDir,
+    NamedTensors,
+    WeightSource,
+    WeightUpdate,
+)
 
 
 def transport_capability(source: WeightSource) -> Capability:
@@ -128,3 +137,34 @@ def validate_request(
             f"prompt of {len(request.prompt_token_ids)} tokens must be shorter than "
             f"max_model_len ({info.max_model_len})",
         )
+
+
+def pause_mode(mode: PauseMode | str, capabilities: Capabilities) -> PauseMode:
+    """``mode`` as a PauseMode the engine supports (InvalidRequest / UnsupportedCapability otherwise)."""
+    try:
+        pause = PauseMode(mode)
+    except ValueError:
+        raise InvalidRequest("mode", f"must be one of {[m.value for m in PauseMode]}, got {mode!r}") from None
+    capabilities.require(PAUSE_CAPABILITY[pause])
+    return pause
+
+
+def as_weight_update(update: WeightUpdate | WeightSource | Mapping[str, Any], version: int | None) -> WeightUpdate:
+    """A WeightUpdate from what ``update_weights`` accepts: an update, a source, or ``{name: tensor}``."""
+    if isinstance(update, Mapping):
+        update = NamedTensors.of(dict(update))
+    if not isinstance(update, WeightUpdate):
+        update = WeightUpdate(update, version=version)
+    return update
+
+
+def update_target(update: WeightUpdate, current: int, capabilities: Capabilities, released: Iterable[MemoryTag]) -> int:
+    """The version ``update`` will take; raises before anything is touched when it cannot be loaded
+    now (transport not supported, version not newer, weights released)."""
+    capabilities.require(transport_capability(update.source))
+    target = current + 1 if update.version is None else update.version
+    if target <= current:
+        raise WeightUpdateError(f"version {target} must be greater than the current version {current}")
+    if MemoryTag.WEIGHTS in frozenset(released):
+        raise WeightUpdateError("weights are released; call resume_memory(['weights']) first")
+    return target

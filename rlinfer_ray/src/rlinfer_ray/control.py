@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from rlinfer_core.errors import EngineDead, InvalidRequest, RLInferError, WeightUpdateError
-from rlinfer_core.preflight import TRANSPORT_CAPABILITY, transport_name
+from rlinfer_core.preflight import as_weight_update, transport_name, update_target
 from rlinfer_core.types import Capability, MemoryTag, PauseMode
 from rlinfer_core.weights import (
     BroadcastGroup,
@@ -183,10 +183,7 @@ class ControlPlane:
     ) -> int:
         """Load new weights on every replica (see the module docstring); the new pool version."""
         self._ensure_open()
-        if isinstance(update, Mapping):
-            update = NamedTensors.of(dict(update))
-        if not isinstance(update, WeightUpdate):
-            update = WeightUpdate(update, version=version)
+        update = as_weight_update(update, version)
         transport = transport_name(update.source)
         started = time.perf_counter()
         try:
@@ -212,12 +209,7 @@ class ControlPlane:
 
         from rlinfer_core.transfer.validate import validate_source
 
-        self._caps().require(TRANSPORT_CAPABILITY[type(update.source)])
-        target = self._version + 1 if update.version is None else update.version
-        if target <= self._version:
-            raise WeightUpdateError(f"version {target} must be greater than the current version {self._version}")
-        if MemoryTag.WEIGHTS in self._released:
-            raise WeightUpdateError("weights are released; call resume_memory(['weights']) first")
+        target = update_target(update, self._version, self._caps(), self._released)
         nbytes = validate_source(update.source, self._weight_specs)
         source = update.source
         if isinstance(source, BroadcastSource):

@@ -12,7 +12,8 @@ from rlinfer_core.errors import EngineDead
 from rlinfer_core.sync_engine import Engine
 from rlinfer_core.types import Completion, EngineConfig, GenerateRequest
 from rlinfer_ray.config import PoolConfig
-from rlinfer_ray.pool import EnginePool, Session
+from rlinfer_ray.dataplane import Session
+from rlinfer_ray.pool import EnginePool
 
 T = TypeVar("T")
 
