@@ -455,13 +455,20 @@ class VllmBackend(WeightHooks, MemoryHooks, BenchHooks, LoraHooks, RawLogprobs):
     # --- weight sync ---------------------------------------------------------------------------
 
     async def _rpc(self, method: str, *args: Any) -> Any:
+        """Call ``method`` on every worker (one per tensor-parallel rank); rank 0's result once
+        every rank succeeded (:mod:`rlinfer_vllm.ranks`)."""
+        from rlinfer_vllm.ranks import rank_zero_result
+
         llm = self._alive()
         try:
-            return (await llm.collective_rpc(method, timeout=self.config.request_timeout_s, args=args))[0]
+            outcomes = await llm.collective_rpc(
+                "rlinfer_call", timeout=self.config.request_timeout_s, args=(method, *args)
+            )
         except Exception as exc:
             if llm.errored:
                 raise EngineDead(f"the vLLM engine core died during {method}: {exc}") from exc
             raise
+        return rank_zero_result(method, outcomes, llm.vllm_config.parallel_config.world_size)
 
     @hookimpl
     async def rlinfer_reset_prefix_cache(self) -> None:

@@ -105,6 +105,15 @@ class RLInferWorkerExtension:
             dtype = tensor.dtype if checkpoint_dtypes or not tensor.is_floating_point() else served
             yield name, tensor, dtype
 
+    def rlinfer_call(self, method: str, *args: Any) -> dict[str, Any]:
+        """Run ``rlinfer_<...>`` method ``method`` and return its outcome instead of raising, so
+        that every tensor-parallel rank answers every call (see :mod:`rlinfer_vllm.ranks`)."""
+        from rlinfer_vllm.ranks import outcome_of
+
+        if not method.startswith("rlinfer_") or method in ("rlinfer_call", "rlinfer_http"):
+            raise ValueError(f"rlinfer_call runs rlinfer_* load methods only, not {method!r}")
+        return outcome_of(int(self.rank), lambda: getattr(self, method)(*args))
+
     def rlinfer_http(self, method: str, *args: Any) -> Any:
         """Entry point for calls through a vLLM server's ``/collective_rpc`` (server mode), whose
         arguments arrive as JSON: ``{"b64": ...}`` arguments are decoded to bytes, and only
