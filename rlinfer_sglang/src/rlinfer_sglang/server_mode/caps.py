@@ -1,0 +1,70 @@
+"""Capabilities of the SGLang backend in server mode: the in-process set, refined by what the
+server reports (``/server_info``) and by where it runs."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import urlsplit
+
+import attrs
+
+from rlinfer_core.types import Capabilities, Capability
+from rlinfer_sglang.capabilities import OVERLAP_NOTE
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+SERVER_NOTES = {
+    Capability.WEIGHTS_TENSORS.value: (
+        "server mode: named tensors travel as shared-memory / CUDA-IPC handles, base64 in the body of "
+        "SGLang's /update_weights_from_tensor, to rlinfer's scheduler-side loader (same host only)"
+    ),
+    Capability.BENCH.value: "server mode: the raw baseline is the same batch through the server's own /generate",
+}
+
+WEIGHT_CAPS = (
+    Capability.WEIGHTS_TENSORS,
+    Capability.WEIGHTS_BUCKETS,
+    Capability.WEIGHTS_DISK,
+    Capability.WEIGHTS_BROADCAST,
+    Capability.WEIGHTS_CHECKSUM,
+)
+
+
+def evolve(caps: Capabilities, drop: Mapping[Capability, str]) -> Capabilities:
+    """``caps`` without ``drop``'s capabilities, each noted with its reason."""
+    notes = {**caps.notes, **{c.value: why for c, why in drop.items()}}
+    return attrs.evolve(caps, supported=caps.supported - set(drop), notes=notes)
+
+
+def server_capabilities(
+    base: Capabilities,
+    info: Mapping[str, Any],
+    url: str,
+    chat_template: bool,
+    amx_repacks: bool,
+) -> Capabilities:
+    """``base`` (the platform's in-process capabilities) for the server at ``url`` whose
+    ``/server_info`` is ``info``."""
+    drop: dict[Capability, str] = {}
+    if not chat_template:
+        drop[Capability.CHAT] = "the model's tokenizer has no chat template (or none could be loaded here)"
+    if base.platform == "cpu" and amx_repacks:
+        drop[Capability.WEIGHTS_CHECKSUM] = (
+            "sgl-kernel's CPU ops are installed: SGLang repacks linear weights for AMX after loading"
+        )
+    if not info.get("disable_overlap_schedule", False):
+        drop[Capability.SAMPLING_PENALTIES] = OVERLAP_NOTE
+    host = urlsplit(url).hostname or ""
+    if host not in LOOPBACK:
+        why = (
+            f"the server at {url} is on another host: rlinfer's scheduler-side loader reports its outcome "
+            "through a file on this host and tensors travel as shared-memory / CUDA-IPC handles, which do "
+            "not cross hosts"
+        )
+        for capability in WEIGHT_CAPS:
+            drop[capability] = why
+    if base.platform == "cuda" and not info.get("enable_memory_saver", False):
+        drop[Capability.MEMORY_RELEASE] = "the server was started without SGLang's memory saver (--enable-memory-saver)"
+    notes = {**base.notes, **SERVER_NOTES}
+    return evolve(attrs.evolve(base, notes=notes), drop)

@@ -1,0 +1,275 @@
+"""Generate and stream over SGLang's ``/generate`` (token ids in, token ids and logprobs out).
+
+As in-process (:mod:`rlinfer_sglang.generation`): every sample of a batch goes in one batched
+``/generate`` call, so the scheduler sees the whole batch at once; raw logprobs come from one
+scoring prefill per sample; chat prompts are templated with the model's tokenizer (loaded here,
+the same class SGLang loads) exactly as in-process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import attrs
+
+from rlinfer_core.errors import InvalidRequest, RLInferError
+from rlinfer_core.hookspecs import hookimpl
+from rlinfer_core.types import Completion, CompletionDelta, FinishReason, GenerateRequest, LogprobsMode
+from rlinfer_sglang import convert
+from rlinfer_sglang.agent import openai_tools
+from rlinfer_sglang.server_mode import convert as wire
+from rlinfer_sglang.server_mode.inflight import InFlight
+
+
+class Generation(InFlight):
+    """``rlinfer_generate``, ``rlinfer_generate_stream`` and the raw-generate bench hook."""
+
+    def _prompt_ids(self, request: GenerateRequest) -> list[int]:
+        if request.prompt_token_ids is not None:
+            return list(request.prompt_token_ids)
+        assert request.messages is not None
+        tokenizer = self._tokenizer
+        if tokenizer is None:
+            raise InvalidRequest("messages", "no tokenizer could be loaded for the model; send prompt_token_ids")
+        try:
+            text = tokenizer.apply_chat_template(
+                [{"role": m.role, "content": m.content} for m in request.messages],
+                tools=openai_tools(request.tools),
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+        except Exception as exc:
+            raise InvalidRequest("messages", f"the chat template failed: {exc}") from exc
+        ids = list(tokenizer.encode(str(text), add_special_tokens=False))
+        if not ids:
+            raise InvalidRequest("messages", "the chat template produced an empty prompt")
+        if len(ids) >= self._max_len():
+            raise InvalidRequest(
+                "messages", f"the templated prompt has {len(ids)} tokens, max_model_len is {self._max_len()}"
+            )
+        return ids
+
+    def _params(self, request: GenerateRequest, ids: list[int]) -> dict[str, Any]:
+        assert self._info is not None
+        return convert.sampling_params(request, len(ids), self._max_len(), self._info.vocab_size)
+
+    def _body(self, request: GenerateRequest, ids: list[int], rid: str, stream: bool) -> dict[str, Any]:
+        return wire.sample_body(request, ids, self._params(request, ids), rid, self._processor(), stream)
+
+    @hookimpl
+    async def rlinfer_generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:
+        """Send every sample in one batched ``/generate``; n completions per request, in order."""
+        http = self._alive()
+        prompts = [self._prompt_ids(r) for r in requests]
+        samples = [(r, i, ids) for r, ids in zip(requests, prompts, strict=True) for i in range(r.sampling.n)]
+        started = time.perf_counter()
+        admitted = await self._admit_all([r.request_id for r, _, _ in samples])
+        rids = [uuid.uuid4().hex if ok else "" for ok in admitted]
+        for (r, _, _), rid in zip(samples, rids, strict=True):
+            if rid:
+                self._track(r.request_id, rid)
+        live = [k for k, rid in enumerate(rids) if rid]
+        outs: dict[int, Any] = {}
+        try:
+            if live:
+                body = wire.batch_body([self._body(*samples[k][::2], rids[k], False) for k in live])
+                answer = await http.post("/generate", body)
+                results = answer if isinstance(answer, list) else [answer]
+                outs = dict(zip(live, results, strict=True))
+        except asyncio.CancelledError:
+            self._abort_later([rids[k] for k in live])
+            raise
+        finally:
+            for (r, _, _), rid in zip(samples, rids, strict=True):
+                if rid:
+                    self._untrack(r.request_id, rid)
+                    self._release()
+            for r in requests:
+                if r.request_id not in self._rids:
+                    self._aborted.discard(r.request_id)
+        latency = time.perf_counter() - started
+        completions = []
+        for k, (r, i, ids) in enumerate(samples):
+            if k in outs:
+                c = convert.completion(r, i, ids, outs[k], latency)
+                versions = wire.expand_versions(outs[k].get("meta_info") or {}, len(c.token_ids))
+                if versions is None:  # no spans from this SGLang: the loader's record
+                    versions = self._versions.of(rids[k], len(c.token_ids))
+                c = attrs.evolve(c, token_versions=versions)
+            else:
+                c = convert.aborted_before_output(r, i, ids, latency)
+            completions.append(c)
+        for rid in rids:
+            self._versions.forget(rid)
+        return await self._with_raw_logprobs(samples, completions)
+
+    async def _with_raw_logprobs(
+        self, samples: list[tuple[GenerateRequest, int, list[int]]], completions: list[Completion]
+    ) -> list[Completion]:
+        """Replace the logprobs of raw-mode completions by scored raw ones (all at once)."""
+        raw = [
+            k
+            for k, ((r, _, _), c) in enumerate(zip(samples, completions, strict=True))
+            if r.sampling.logprobs_mode is LogprobsMode.RAW and c.token_ids
+        ]
+        if not raw:
+            return completions
+        scored = await asyncio.gather(
+            *(
+                self._raw_logprobs(samples[k][2], list(completions[k].token_ids), 0, samples[k][0].sampling.logprobs)
+                for k in raw
+            )
+        )
+        out = list(completions)
+        for k, (lps, top) in zip(raw, scored, strict=True):
+            tops = top if samples[k][0].sampling.logprobs else out[k].top_logprobs
+            out[k] = attrs.evolve(out[k], logprobs=lps, top_logprobs=tops)
+        return out
+
+    async def _raw_logprobs(
+        self, prompt: list[int], tokens: list[int], start: int, top: int
+    ) -> tuple[tuple[float, ...], tuple[dict[int, float], ...]]:
+        """``log_softmax`` of the raw logits for ``tokens[start:]`` (and their top ``top``), from
+        one prefill of ``prompt + tokens`` (SGLang's input-token logprobs are raw)."""
+        while not self._gate.is_set():  # paused: score after resume (see rlinfer_pause)
+            self._alive()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._gate.wait(), timeout=0.05)
+        self._scoring += 1
+        try:
+            out = await self._alive().post("/generate", wire.score_body(prompt, tokens, start, top, uuid.uuid4().hex))
+        finally:
+            self._scoring -= 1
+        meta = out.get("meta_info") or {}
+        want = len(tokens) - start
+        values = [float(e[0]) for e in list(meta.get("input_token_logprobs") or ())[-want:]]
+        rows = list(meta.get("input_top_logprobs") or ())[-want:]
+        tops = tuple({int(e[1]): float(e[0]) for e in row or ()} for row in rows) if top else ()
+        if len(values) != want:
+            raise RLInferError(f"SGLang scored {len(values)} of {want} tokens for raw logprobs")
+        return tuple(values), tops
+
+    @hookimpl
+    async def rlinfer_generate_stream(self, request: GenerateRequest) -> AsyncIterator[CompletionDelta]:
+        """Stream deltas of every sample (SGLang streams cumulative outputs; deltas are cut here)."""
+        self._alive()
+        ids = self._prompt_ids(request)
+        queue: asyncio.Queue[CompletionDelta | BaseException | None] = asyncio.Queue()
+
+        async def one(index: int) -> None:
+            try:
+                async for d in self._stream_sample(request, index, ids):
+                    queue.put_nowait(d)
+            except BaseException as exc:
+                queue.put_nowait(exc)
+            finally:
+                queue.put_nowait(None)
+
+        tasks = [asyncio.ensure_future(one(i)) for i in range(request.sampling.n)]
+        pending = len(tasks)
+        try:
+            while pending:
+                item = await queue.get()
+                if item is None:
+                    pending -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self._aborted.discard(request.request_id)
+
+    async def _stream_sample(
+        self, request: GenerateRequest, index: int, ids: list[int]
+    ) -> AsyncIterator[CompletionDelta]:
+        http = self._alive()
+        if not (await self._admit_all([request.request_id]))[0]:
+            yield CompletionDelta(request.request_id, index, (), (), FinishReason.ABORT)
+            return
+        rid = uuid.uuid4().hex
+        self._track(request.request_id, rid)
+        seen = 0
+        finished = False
+        try:
+            async for out in http.stream("/generate", self._body(request, ids, rid, stream=True)):
+                if "error" in out:
+                    raise _stream_error(out["error"])
+                before = seen
+                d, seen = convert.delta(request, index, out, seen)
+                self._received[rid] = seen
+                if d is None:
+                    continue
+                versions = self._versions.of(rid, before + len(d.token_ids), before)
+                meta = out.get("meta_info") or {}
+                exact = wire.expand_versions(meta, seen) if d.finish_reason is not None else None
+                d = attrs.evolve(d, token_versions=exact[before:seen] if exact else versions)
+                if request.sampling.logprobs_mode is LogprobsMode.RAW and d.token_ids:
+                    so_far = [int(t) for t in out.get("output_ids") or ()][:seen]
+                    lps, _ = await self._raw_logprobs(ids, so_far, before, 0)
+                    d = attrs.evolve(d, logprobs=lps)
+                finished = d.finish_reason is not None
+                yield d
+                if finished:
+                    if not meta.get("finish_reason"):
+                        self._abort_later([rid])  # rlinfer ended it (stop id under ignore_eos)
+                    break
+            if not finished:
+                yield CompletionDelta(request.request_id, index, (), (), FinishReason.ABORT)
+        except (asyncio.CancelledError, GeneratorExit):
+            if not finished:
+                self._abort_later([rid])
+            raise
+        finally:
+            self._untrack(request.request_id, rid)
+            self._versions.forget(rid)
+            self._release()
+
+    # --- benchmarking --------------------------------------------------------------------------
+
+    @hookimpl
+    async def rlinfer_bench_raw_generate(self, requests: Sequence[GenerateRequest]) -> int:
+        """The same batch in one native batched ``/generate`` call with hand-built params."""
+        http = self._alive()
+        input_ids: list[list[int]] = []
+        params: list[dict[str, Any]] = []
+        top: list[int] = []
+        for r in requests:
+            s = r.sampling
+            for _ in range(s.n):
+                input_ids.append(list(r.prompt_token_ids or ()))
+                p: dict[str, Any] = {
+                    "temperature": s.temperature,
+                    "top_p": s.top_p,
+                    "top_k": s.top_k,
+                    "max_new_tokens": s.max_tokens,
+                    "min_new_tokens": s.min_tokens,
+                    "ignore_eos": s.ignore_eos,
+                }
+                if s.stop_token_ids:
+                    p["stop_token_ids"] = list(s.stop_token_ids)
+                if s.stop:
+                    p["stop"] = list(s.stop)
+                params.append(p)
+                top.append(s.logprobs)
+        if not input_ids:
+            return 0
+        body = {"input_ids": input_ids, "sampling_params": params, "return_logprob": True, "top_logprobs_num": top}
+        outs = await http.post("/generate", body)
+        return sum(len(o["output_ids"]) for o in (outs if isinstance(outs, list) else [outs]))
+
+
+def _stream_error(error: Any) -> Exception:
+    """An error SGLang reported inside a stream (``data: {"error": ...}``)."""
+    message = error.get("message", error) if isinstance(error, dict) else error
+    code = error.get("code") if isinstance(error, dict) else None
+    if isinstance(code, int) and 400 <= code < 500:
+        return InvalidRequest("request", f"the SGLang server refused the stream: {message}")
+    return RLInferError(f"the SGLang server failed the stream: {message}")
