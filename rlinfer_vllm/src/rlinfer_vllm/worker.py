@@ -77,9 +77,11 @@ class RLInferWorkerExtension:
                 self._rlinfer_shadow[name] = tensor.to(device="cpu", dtype=dtype).clone()
         self._rlinfer_shadow_dir = None
         self._rlinfer_group = None
+        from rlinfer_vllm.reload_log import quiet_buffer_only_layers
         from rlinfer_vllm.served import tied_modules
 
         self._rlinfer_tied = tied_modules(self.model_runner.get_model())
+        quiet_buffer_only_layers(self.model_runner.get_model())  # "RotaryEmbedding: Failed to load weights"
         specs = self._rlinfer_specs.items()
         return [(name, str(dtype).removeprefix("torch."), list(shape)) for name, (dtype, shape) in specs]
 
