@@ -1,0 +1,105 @@
+"""Generate throughput of the SGLang backend in server mode vs in-process (CPU or GPU).
+
+Both engines are open at once on the same model and take turns on the same batches (alternating
+order, so the machine's background load hits both alike); reports the median tokens/s of each,
+their spread (min, max), the median of the per-run ratios, plus the server's raw ``/generate``
+baseline on the same batches (one native batched call, no rlinfer conversions).
+
+    .venvs/sglang/bin/python dev/bench/sglang_server_mode.py --runs 7 [--model DIR] [--json-out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def make_batch(tag: str, prompts: int, prompt_len: int, max_tokens: int, vocab: int, seed: int) -> list[Any]:
+    """Random prompts, exactly ``max_tokens`` sampled tokens each (as ``rlinfer bench``)."""
+    import random
+
+    from rlinfer_core.types import GenerateRequest, SamplingParams
+
+    rng = random.Random(seed)
+    sampling = SamplingParams(temperature=1.0, max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True)
+    return [
+        GenerateRequest(
+            prompt_token_ids=[rng.randrange(16, vocab) for _ in range(prompt_len)],
+            sampling=sampling,
+            request_id=f"{tag}-{i}",
+        )
+        for i in range(prompts)
+    ]
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    from rlinfer_core.engine import AsyncEngine
+    from rlinfer_core.tiny_model import make_tiny_model
+    from rlinfer_core.types import EngineConfig
+
+    model = Path(args.model) if args.model else make_tiny_model(Path(tempfile.mkdtemp()) / "m", seed=0)
+    base = {"model": str(model), "seed": 0, "dtype": args.dtype}
+    inproc = await AsyncEngine.open("sglang", EngineConfig(**base), load_entry_point_plugins=False)
+    server = await AsyncEngine.open("sglang", EngineConfig(**base, mode="server"), load_entry_point_plugins=False)
+    try:
+        assert inproc.model_info is not None
+        vocab = inproc.model_info.vocab_size
+        rates: dict[str, list[float]] = {"inprocess": [], "server": [], "server_raw": []}
+        for run in range(-1, args.runs):  # run -1 warms every side up
+            batch = make_batch(f"r{run}", args.prompts, args.prompt_len, args.max_tokens, vocab, seed=run + 1)
+            sides = ["inprocess", "server", "server_raw"]
+            if run % 2:
+                sides.reverse()
+            for side in sides:
+                started = time.perf_counter()
+                if side == "server_raw":
+                    count = await server.bench_raw_generate(batch)
+                else:
+                    engine = inproc if side == "inprocess" else server
+                    count = sum(len(c.token_ids) for c in await engine.generate(batch))
+                if run >= 0:
+                    rates[side].append(count / (time.perf_counter() - started))
+        med = {side: statistics.median(v) for side, v in rates.items()}
+        ratios = [s / i for s, i in zip(rates["server"], rates["inprocess"], strict=True)]
+        return {
+            "model": str(model) if args.model else "tiny random Llama (seed 0)",
+            "batch": f"{args.prompts} prompts x {args.max_tokens} tokens, median of {args.runs}",
+            "tokens_per_s": med,
+            "server_over_inprocess": med["server"] / med["inprocess"],
+            "server_over_server_raw": med["server"] / med["server_raw"],
+            "spread_tokens_per_s": {side: [min(v), max(v)] for side, v in rates.items()},
+            "per_run_ratio_median": statistics.median(ratios),
+            "per_run_ratio_spread": [min(ratios), max(ratios)],
+            "runs": rates,
+        }
+    finally:
+        await server.shutdown()
+        await inproc.shutdown()
+
+
+def main() -> None:
+    """Parse arguments, run, print (and optionally write) the JSON result."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--json-out")
+    args = parser.parse_args()
+    result = asyncio.run(run(args))
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json_out:
+        Path(args.json_out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
