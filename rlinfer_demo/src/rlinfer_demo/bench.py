@@ -1,27 +1,36 @@
 """``rlinfer bench``: rlinfer's overhead against the raw engine, measured in one run.
 
-Both sides use the *same engine instance* and the *same batch*, alternating A/B runs so that
-drift (thermal, cache, other load) hits both equally:
+The sides take turns on the same batches (:mod:`rlinfer_demo.bench_sides`: the order rotates
+from run to run, so drift hits every side alike; ratios are paired per run):
 
 * generate: ``AsyncEngine.generate`` (validation, conversion, version stamping) vs the backend's
-  ``rlinfer_bench_raw_generate`` (the engine's native API, no rlinfer types);
+  ``rlinfer_bench_raw_generate`` (the engine's native API, no rlinfer types) on the *same engine*;
 * weight update: ``update_weights(CheckpointDir)`` and ``update_weights(NamedTensors)`` (with
   rlinfer's all-or-nothing validation) vs the engine's own reload-from-disk call (plus the
   prefix-cache reset that any correct reload needs, as rlinfer's update does).
 
-Needs a backend claiming ``Capability.BENCH`` (the raw-engine baselines).
+The engine is the whole :class:`EngineConfig` of ``--config FILE`` / ``--set`` / the flags. Two
+more comparisons join the same runs when asked for:
 
-Medians of ``--runs`` timed runs after one warm-up of each side.
+* server mode (``rollout: {mode: server}`` or a ``server_url``): an in-process engine of the same
+  config as a third side (``inprocess``), so the HTTP hop is measured against in-process;
+* ``--replicas N``: an rlinfer-ray ``EnginePool`` of N replicas of the same config (``pool``):
+  at N=1 the pool's overhead over the direct engine, at N>=2 the throughput of N replicas over
+  one engine, and ``pool_one`` (the same pool routed to replica 0 only: N replicas vs 1 on the
+  same engines); weight updates to the N replicas vs the one engine.
+
+Needs a backend claiming ``Capability.BENCH`` (the raw-engine baselines). Medians (and min/max)
+of ``--runs`` timed runs after one warm-up of each side.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import platform
-import random
 import statistics
 import sys
 import tempfile
@@ -30,39 +39,59 @@ from pathlib import Path
 from typing import Any
 
 from rlinfer_core.engine import AsyncEngine
-from rlinfer_core.types import Capability, EngineConfig, GenerateRequest, SamplingParams, parse_assignments
+from rlinfer_core.types import Capability, EngineConfig
 from rlinfer_core.weights import CheckpointDir, NamedTensors
+from rlinfer_demo.bench_sides import (
+    GenerateSide,
+    UpdateSide,
+    machine_load,
+    make_batch,
+    paired,
+    spread,
+    time_generate,
+    time_updates,
+)
+
+__all__ = ["bench_config", "main", "make_batch", "run_bench"]
+
+#: paired ratios reported when both sides ran: (name, numerator, denominator)
+GENERATE_RATIOS = (
+    ("rlinfer/raw", "rlinfer", "raw"),
+    ("pool/rlinfer", "pool", "rlinfer"),
+    ("pool/pool_one", "pool", "pool_one"),
+    ("rlinfer/inprocess", "rlinfer", "inprocess"),
+)
+UPDATE_RATIOS = (
+    ("pool_tensors/rlinfer_tensors", "pool_tensors", "rlinfer_tensors"),
+    ("pool_disk/rlinfer_disk", "pool_disk", "rlinfer_disk"),
+    ("rlinfer_tensors/inprocess_tensors", "rlinfer_tensors", "inprocess_tensors"),
+)
 
 
-def make_batch(
-    tag: str, prompts: int, prompt_len: int, max_tokens: int, vocab: int, seed: int = 0
-) -> list[GenerateRequest]:
-    """A fixed batch: random prompts, exactly ``max_tokens`` sampled tokens each, with logprobs."""
-    rng = random.Random(seed)
-    sampling = SamplingParams(temperature=1.0, max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True, seed=None)
-    return [
-        GenerateRequest(
-            prompt_token_ids=[rng.randrange(16, vocab) for _ in range(prompt_len)],
-            sampling=sampling,
-            request_id=f"{tag}-{i}",
-        )
-        for i in range(prompts)
-    ]
+def bench_config(args: argparse.Namespace, workdir: Path) -> tuple[str, EngineConfig, bool]:
+    """The backend and the engine's whole EngineConfig: defaults (seed 0, a tiny random model made
+    in ``workdir`` when none is named), then ``--config``, then ``--set``, then the flags
+    (``--model``, ``--dtype``, ``--engine-arg``); and whether the model was named."""
+    from rlinfer_core.cli import backend_name, config_layers
+    from rlinfer_core.config_file import engine_config
+    from rlinfer_core.types import parse_assignments
+
+    settings, overrides = config_layers(args, {"model": getattr(args, "model", None), "dtype": args.dtype})
+    backend = backend_name(args, settings)
+    engine_args = parse_assignments(getattr(args, "engine_arg", []) or [])
+    if engine_args:
+        overrides["engine_kwargs"] = {**dict(overrides.get("engine_kwargs") or {}), **engine_args}
+    named = overrides.get("model") or (settings.fields.get("model") if settings else None)
+    if named:
+        model = str(named)
+    else:
+        from rlinfer_core.tiny_model import make_tiny_model
+
+        model = str(make_tiny_model(workdir / "model-a", seed=0))
+    return backend, engine_config(settings, overrides, defaults={"model": model, "seed": 0}), bool(named)
 
 
-async def _timed(coro: Any) -> tuple[float, Any]:
-    started = time.perf_counter()
-    result = await coro
-    return time.perf_counter() - started, result
-
-
-async def _raw_reload(engine: AsyncEngine, path: str) -> None:
-    await engine.bench_raw_weight_update(path)
-    if engine.capabilities.supports(Capability.PREFIX_CACHE_RESET):
-        await engine.reset_prefix_cache()
-
-
-def _engine_tensors(engine: AsyncEngine, model_dir: Path) -> list[tuple[str, Any]]:
+def _engine_tensors(engine: Any, model_dir: Path) -> list[tuple[str, Any]]:
     """The checkpoint's tensors that the engine accepts, cast to the engine's dtypes."""
     from rlinfer_core.transfer.buckets import to_dtype
     from rlinfer_core.transfer.disk import read_tensors
@@ -71,98 +100,179 @@ def _engine_tensors(engine: AsyncEngine, model_dir: Path) -> list[tuple[str, Any
     return [(n, t.to(to_dtype(specs[n].dtype))) for n, t in read_tensors(model_dir) if n in specs]
 
 
+def _tokens(engine: Any) -> GenerateSide:
+    async def run(batch: list[Any]) -> int:
+        return sum(len(c.token_ids) for c in await engine.generate(batch))
+
+    return run
+
+
+def _updater(engine: Any, sources: list[Any]) -> UpdateSide:
+    async def run(which: int) -> None:
+        await engine.update_weights(sources[which])
+
+    return run
+
+
+def _raw_reloader(engine: Any, paths: list[str]) -> UpdateSide:
+    async def run(which: int) -> None:
+        await engine.bench_raw_weight_update(paths[which])
+        if engine.capabilities.supports(Capability.PREFIX_CACHE_RESET):
+            await engine.reset_prefix_cache()
+
+    return run
+
+
+async def _open_pool(backend: str, config: EngineConfig, replicas: int) -> Any:
+    from rlinfer_core.errors import InvalidRequest
+
+    try:
+        from rlinfer_ray import EnginePool, PoolConfig
+    except ImportError as exc:
+        raise InvalidRequest("replicas", f"--replicas needs rlinfer-ray installed ({exc})") from None
+    return await EnginePool.open(backend, config, pool=PoolConfig(replicas=replicas), load_entry_point_plugins=False)
+
+
 async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark and return the JSON-ready result."""
-    from rlinfer_core.tiny_model import make_tiny_model
-
     workdir = Path(tempfile.mkdtemp(prefix="rlinfer-bench-"))
-    model = Path(args.model) if args.model else make_tiny_model(workdir / "model-a", seed=0)
-    config = EngineConfig(
-        model=str(model),
-        seed=0,
-        engine_kwargs=parse_assignments(getattr(args, "engine_arg", []) or []),
-        **({"dtype": args.dtype} if args.dtype else {}),
-    )
-    engine = await AsyncEngine.open(args.backend, config, load_entry_point_plugins=False)
+    backend, config, named = bench_config(args, workdir)
+    replicas = getattr(args, "replicas", None)
+    load_before = machine_load()
+    opened: dict[str, Any] = {}
+    open_s: dict[str, float] = {}
+
+    async def open_side(name: str, opening: Any) -> Any:
+        started = time.perf_counter()
+        opened[name] = await opening
+        open_s[name] = time.perf_counter() - started
+        return opened[name]
+
     try:
+        engine = await open_side("engine", AsyncEngine.open(backend, config, load_entry_point_plugins=False))
         engine.capabilities.require(Capability.BENCH)
+        gen_sides: dict[str, GenerateSide] = {"rlinfer": _tokens(engine), "raw": engine.bench_raw_generate}
+        inproc = pool = None
+        if config.server_mode:
+            import attrs
+
+            twin = attrs.evolve(config, mode="inprocess", server_url=None)
+            inproc = await open_side("inprocess", AsyncEngine.open(backend, twin, load_entry_point_plugins=False))
+            gen_sides["inprocess"] = _tokens(inproc)
+        if replicas:
+            pool = await open_side("pool", _open_pool(backend, config, replicas))
+            gen_sides["pool"] = _tokens(pool)
+            if replicas > 1:
+
+                async def one_replica(batch: list[Any]) -> int:
+                    return sum(len(c.token_ids) for c in await pool.bench_generate_on(batch, [0]))
+
+                gen_sides["pool_one"] = one_replica
         assert engine.model_info is not None
         vocab = engine.model_info.vocab_size
         runs = max(1, args.runs)
-        gen: dict[str, list[float]] = {"rlinfer": [], "raw": []}
-        tokens: dict[str, int] = {}
-        for run in range(-1, runs):  # run -1 is the warm-up of both sides
-            batch = make_batch(f"r{run}", args.prompts, args.prompt_len, args.max_tokens, vocab, seed=run + 1)
-            order = ("rlinfer", "raw") if run % 2 == 0 else ("raw", "rlinfer")
-            for side in order:
-                if side == "rlinfer":
-                    seconds, completions = await _timed(engine.generate(batch))
-                    count = sum(len(c.token_ids) for c in completions)
-                else:
-                    seconds, count = await _timed(engine.bench_raw_generate(batch))
-                if run >= 0:
-                    gen[side].append(count / seconds)
-                tokens[side] = count
+        gen, tokens = await time_generate(
+            gen_sides,
+            lambda run: make_batch(f"r{run}", args.prompts, args.prompt_len, args.max_tokens, vocab, seed=run + 1),
+            runs,
+        )
 
         # Weight updates: alternate between two checkpoints so every update really changes weights.
-        if args.model:
+        model = Path(config.model)
+        if named:
             from rlinfer_core.transfer.disk import save_dir
 
             second = save_dir(_engine_tensors(engine, model), workdir / "model-b")
         else:
+            from rlinfer_core.tiny_model import make_tiny_model
+
             second = make_tiny_model(workdir / "model-b", seed=1)
         dirs = [model, second]
         tensors = [_engine_tensors(engine, d) for d in dirs]
         nbytes = sum(t.numel() * t.element_size() for _, t in tensors[0])
-        upd: dict[str, list[float]] = {"rlinfer_disk": [], "rlinfer_tensors": [], "raw_disk": []}
-        for run in range(-1, runs):
-            which = run % 2
-            for side in ("rlinfer_disk", "raw_disk", "rlinfer_tensors"):
-                if side == "rlinfer_disk":
-                    seconds, _ = await _timed(engine.update_weights(CheckpointDir(str(dirs[which]))))
-                elif side == "raw_disk":
-                    seconds, _ = await _timed(_raw_reload(engine, str(dirs[which])))
-                else:
-                    seconds, _ = await _timed(engine.update_weights(NamedTensors(tuple(tensors[which]))))
-                if run >= 0:
-                    upd[side].append(seconds)
+        disk = [CheckpointDir(str(d)) for d in dirs]
+        named_tensors = [NamedTensors(tuple(t)) for t in tensors]
+        upd_sides: dict[str, UpdateSide] = {}
+        for name, target in (("rlinfer", engine), ("inprocess", inproc), ("pool", pool)):
+            if target is None:
+                continue
+            if name != "inprocess":
+                upd_sides[f"{name}_disk"] = _updater(target, disk)
+            if name == "rlinfer":
+                upd_sides["raw_disk"] = _raw_reloader(engine, [str(d) for d in dirs])
+            upd_sides[f"{name}_tensors"] = _updater(target, named_tensors)
+        upd = await time_updates(upd_sides, runs)
         caps = engine.capabilities
+        served = [r.served for r in pool.replicas.replicas] if pool is not None else None
     finally:
-        await engine.shutdown()
+        for side in reversed(list(opened.values())):
+            with contextlib.suppress(Exception):
+                await side.shutdown()
+
+    return _result(args, backend, config, named, runs, caps, gen, tokens, upd, nbytes) | {
+        "replicas": replicas,
+        "pool": None if not replicas else {"replicas": replicas, "served_per_replica": served},
+        "open_s": open_s,
+        "load": {"before": load_before, "after": machine_load()},
+    }
+
+
+def _result(
+    args: argparse.Namespace,
+    backend: str,
+    config: EngineConfig,
+    named: bool,
+    runs: int,
+    caps: Any,
+    gen: dict[str, list[float]],
+    tokens: dict[str, int],
+    upd: dict[str, list[float]],
+    nbytes: int,
+) -> dict[str, Any]:
+    import attrs
 
     med = {k: statistics.median(v) for k, v in gen.items()}
     umed = {k: statistics.median(v) for k, v in upd.items()}
     return {
-        "backend": args.backend,
+        "backend": backend,
         "engine_version": caps.engine_version,
         "platform": caps.platform,
         "host": platform.node(),
         "python": sys.version.split()[0],
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": " ".join(["rlinfer", *sys.argv[1:]]),
-        "model": str(model) if args.model else "tiny random Llama (rlinfer_core.tiny_model, seed 0)",
+        "model": config.model if named else "tiny random Llama (rlinfer_core.tiny_model, seed 0)",
+        "config": json.loads(json.dumps(attrs.asdict(config), default=str)),
         "batch": {"prompts": args.prompts, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens},
         "runs": runs,
         "generate": {
             "tokens_per_run": tokens,
             "tok_per_s_samples": gen,
             "tok_per_s_median": med,
+            "tok_per_s_spread": {k: spread(v) for k, v in gen.items()},
             "ratio_rlinfer_over_raw": med["rlinfer"] / med["raw"],
             # both sides of a run share its batch and run back to back: robust to slow phases
             "ratio_paired_median": statistics.median(a / b for a, b in zip(gen["rlinfer"], gen["raw"], strict=True)),
+            "paired": {name: paired(gen[a], gen[b]) for name, a, b in GENERATE_RATIOS if a in gen and b in gen},
         },
         "weight_update": {
             "bytes": nbytes,
             "seconds_samples": upd,
             "seconds_median": umed,
+            "seconds_spread": {k: spread(v) for k, v in upd.items()},
             "ratio_raw_disk_over_rlinfer_disk": umed["raw_disk"] / umed["rlinfer_disk"],
             "ratio_raw_disk_over_rlinfer_tensors": umed["raw_disk"] / umed["rlinfer_tensors"],
+            "paired": {name: paired(upd[a], upd[b]) for name, a, b in UPDATE_RATIOS if a in upd and b in upd},
         },
     }
 
 
+def _range(p: dict[str, Any]) -> str:
+    return f"{p['median']:.3f} [{p['min']:.3f}-{p['max']:.3f}]"
+
+
 def main(args: argparse.Namespace) -> int:
-    """Entry of ``rlinfer bench``: print a table and the ratio; write JSON if asked."""
+    """Entry of ``rlinfer bench``: print a table and the ratios; write JSON if asked."""
     from rich.console import Console
     from rich.table import Table
 
@@ -171,32 +281,22 @@ def main(args: argparse.Namespace) -> int:
     g, w = result["generate"], result["weight_update"]
     table = Table(title=f"rlinfer bench: {result['backend']} {result['engine_version']} on {result['platform']}")
     table.add_column("measure")
-    table.add_column("rlinfer", justify="right")
-    table.add_column("raw engine", justify="right")
-    table.add_column("ratio", justify="right")
-    table.add_row(
-        f"generate tok/s (median of {result['runs']})",
-        f"{g['tok_per_s_median']['rlinfer']:.0f}",
-        f"{g['tok_per_s_median']['raw']:.0f}",
-        f"{g['ratio_rlinfer_over_raw']:.3f}",
-    )
-    table.add_row(
-        "weight update from disk, s",
-        f"{w['seconds_median']['rlinfer_disk']:.4f}",
-        f"{w['seconds_median']['raw_disk']:.4f}",
-        f"{w['ratio_raw_disk_over_rlinfer_disk']:.3f}",
-    )
-    table.add_row(
-        "weight update from tensors, s",
-        f"{w['seconds_median']['rlinfer_tensors']:.4f}",
-        "",
-        f"{w['ratio_raw_disk_over_rlinfer_tensors']:.3f}",
-    )
+    table.add_column("median", justify="right")
+    table.add_column("min-max", justify="right")
+    for side, s in g["tok_per_s_spread"].items():
+        table.add_row(f"generate tok/s: {side}", f"{s['median']:.0f}", f"{s['min']:.0f}-{s['max']:.0f}")
+    for side, s in w["seconds_spread"].items():
+        table.add_row(f"weight update s: {side}", f"{s['median']:.4f}", f"{s['min']:.4f}-{s['max']:.4f}")
     console.print(table)
     print(
         f"generate throughput ratio rlinfer/raw = {g['ratio_rlinfer_over_raw']:.3f} "
-        f"(median of per-run ratios {g['ratio_paired_median']:.3f})"
+        f"(median of per-run ratios {g['ratio_paired_median']:.3f}); "
+        f"raw disk reload / rlinfer disk update = {w['ratio_raw_disk_over_rlinfer_disk']:.3f}"
     )
+    for name, p in {**g["paired"], **w["paired"]}.items():
+        kind = "tok/s" if name in g["paired"] else "seconds"
+        print(f"paired {kind} ratio {name}: median [min-max] {_range(p)} over {result['runs']} runs")
+    print(f"machine: {result['load']['before']['cpus']} CPUs, load before/after {result['load']}")
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(result, indent=2))

@@ -46,7 +46,9 @@ def apply_simple_config(
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    apply_simple_config(args, "bench", ("model", "dtype", "engine_kwargs"))
+    # the whole EngineConfig of --config/--set/the flags reaches the engine (rlinfer_demo.bench)
+    if args.replicas is not None and args.replicas < 1:
+        raise InvalidRequest("replicas", f"must be >= 1, got {args.replicas}")
     from rlinfer_demo.bench import main as bench_main
 
     return int(bench_main(args))
@@ -61,8 +63,17 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def register_bench(subparsers: Any) -> None:
     """``rlinfer bench``: rlinfer vs the raw engine (needs a backend claiming ``bench``)."""
-    p = subparsers.add_parser("bench", help="rlinfer vs the raw engine: generate throughput and weight-update time")
+    p = subparsers.add_parser(
+        "bench",
+        help="rlinfer vs the raw engine (and vs in-process for server mode, vs a pool with --replicas): "
+        "generate throughput and weight-update time",
+    )
     p.add_argument("--backend", help="backend name (or rollout.name in --config)")
+    p.add_argument(
+        "--replicas",
+        type=int,
+        help="also an rlinfer-ray pool of N replicas of the same engine: its overhead (N=1) or scaling (N>1)",
+    )
     p.add_argument("--model", help="HF model dir (default: a tiny random model)")
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=32)
