@@ -8,7 +8,7 @@ VENVS := .venvs
 DEMO_BACKEND ?= vllm
 DEMO_OUT ?= out/demo
 
-.PHONY: env-core env-vllm env-sglang envs demo test lint typecheck test-core test-vllm test-sglang test-ray test-ray-sglang test-server test-wheels test-vllm-server thorough clean-envs
+.PHONY: env-core env-vllm env-sglang envs demo test lint typecheck test-core test-vllm test-sglang test-ray test-ray-sglang test-server test-wheels test-vllm-server test-sglang-server test-sglang-server-ci thorough clean-envs
 
 env-core: $(VENVS)/core/.built
 env-vllm: $(VENVS)/vllm/.built
@@ -50,6 +50,18 @@ test-sglang: env-sglang
 test-vllm-server: env-vllm
 	timeout 2400 $(VENVS)/vllm/bin/rlinfer conformance --backend vllm --report out/conformance-vllm-server.json -- --rlinfer-config mode=server
 
+# the kit against the SGLang backend in server mode: a real `python -m sglang.launch_server` child
+# driven over HTTP (main engine, two extra architectures, fault matrix), then the attach tests
+test-sglang-server: env-sglang
+	timeout 2400 $(VENVS)/sglang/bin/rlinfer conformance --backend sglang --report out/conformance-sglang-server.json -- --rlinfer-config mode=server
+	RLINFER_SGLANG_SERVER_TESTS=1 timeout 900 $(VENVS)/sglang/bin/python -m pytest tests/backends/sglang/test_sglang_server_attach.py -q -p no:cacheprovider
+
+# the essential subset for CI (~5 min, not in `make test`): the kit on one server engine
+# (generate, weights, versions, pause, abort, errors), without the extra engines of the fault
+# matrix and the extra architectures
+test-sglang-server-ci: env-sglang
+	timeout 900 $(VENVS)/sglang/bin/python -m pytest tests/backends/test_sglang_conformance.py -q -p no:cacheprovider --rlinfer-backend sglang --rlinfer-config mode=server -k "not killed_in_turn and not architecture" --rlinfer-report out/conformance-sglang-server-ci.json
+
 # rlinfer-ray: pool tests (two vLLM replicas on a local Ray cluster), then the kit against a pool
 # of two replicas for each backend (rlinfer conformance --backend X --replicas 2). The kit's
 # extra-architecture tests open single engines of their own (not the pool) and ran in
@@ -76,7 +88,7 @@ test-wheels:
 test: lint typecheck test-core test-wheels test-vllm test-sglang test-ray test-server
 
 # slower checks, not in `make test`: the kit in vLLM server mode alone takes ~15-25 min on 2 shared cores
-thorough: test test-vllm-server test-ray-sglang
+thorough: test test-vllm-server test-sglang-server test-ray-sglang
 
 clean-envs:
 	rm -rf $(VENVS)

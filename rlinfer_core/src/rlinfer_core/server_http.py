@@ -60,15 +60,22 @@ class ServerClient:
     """An ``httpx.AsyncClient`` bound to one server.
 
     ``engine`` names it in errors; ``dead_pids`` (launched servers; None for attached ones) returns
-    the pids of its processes that exited.
+    the pids of its processes that exited; ``health_path`` is the liveness probe (it must answer
+    fast, also while generation is paused).
     """
 
     def __init__(
-        self, url: str, timeout_s: float, engine: str, dead_pids: Callable[[], list[int]] | None = None
+        self,
+        url: str,
+        timeout_s: float,
+        engine: str,
+        dead_pids: Callable[[], list[int]] | None = None,
+        health_path: str = "/health",
     ) -> None:
         import httpx
 
         self.url = url
+        self.health_path = health_path
         self.timeout_s = timeout_s
         self.engine = engine
         self._dead_pids = dead_pids
@@ -89,14 +96,14 @@ class ServerClient:
             if gone:
                 raise EngineDead(f"{self.engine} server process(es) {gone} died; open a new engine")
 
-    async def healthy(self, path: str = "/health") -> bool:
-        """Whether the server answers ``path`` with 200 (and its processes run)."""
+    async def healthy(self) -> bool:
+        """Whether the server answers the liveness probe with 200 (and its processes run)."""
         import httpx
 
         if self._dead_pids is not None and self._dead_pids():
             return False
         try:
-            response = await self.client.get(path, timeout=HEALTH_TIMEOUT_S)
+            response = await self.client.get(self.health_path, timeout=HEALTH_TIMEOUT_S)
         except httpx.HTTPError:
             return False
         return response.status_code == 200

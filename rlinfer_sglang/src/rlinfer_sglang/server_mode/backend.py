@@ -36,6 +36,11 @@ from rlinfer_sglang.versions import TokenVersions
 
 #: how often calls look for exited server processes
 PROCESS_CHECK_S = 0.2
+#: the liveness probe: answered by the HTTP server and SGLang's tokenizer manager at once, also
+#: while generation is paused (SGLang's /health generates a token: it takes >= 1 s and hangs while
+#: paused); a dead scheduler is seen from the launched server's processes, and an attached
+#: server's own watchdog stops it when its scheduler dies
+LIVENESS_PATH = "/model_info"
 
 
 class SGLangServerBackend(ServerMemory, Generation, AgentHooks):
@@ -90,9 +95,8 @@ class SGLangServerBackend(ServerMemory, Generation, AgentHooks):
         and label the weights version 0."""
         started = time.perf_counter()
         url = await self._launch(config) if config.server_url is None else config.server_url.rstrip("/")
-        self._http = ServerClient(
-            url, config.request_timeout_s, "SGLang", self._dead_processes if self._server else None
-        )
+        dead = self._dead_processes if self._server else None
+        self._http = ServerClient(url, config.request_timeout_s, "SGLang", dead, LIVENESS_PATH)
         try:
             await self._attach(config, url)
         except BaseException:
@@ -215,7 +219,7 @@ class SGLangServerBackend(ServerMemory, Generation, AgentHooks):
 
     @hookimpl
     async def rlinfer_check_health(self) -> None:
-        """EngineDead when a server process died or /health does not answer 200."""
+        """EngineDead when a server process died or the server does not answer (LIVENESS_PATH)."""
         http = self._alive()
         if not await http.healthy():
             raise EngineDead(f"the SGLang server at {http.url} is not healthy; open a new engine")

@@ -77,7 +77,7 @@ class Generation(InFlight):
         outs: dict[int, Any] = {}
         try:
             if live:
-                body = wire.batch_body([self._body(*samples[k][::2], rids[k], False) for k in live])
+                body = wire.batch_body([self._body(samples[k][0], samples[k][2], rids[k], False) for k in live])
                 answer = await http.post("/generate", body)
                 results = answer if isinstance(answer, list) else [answer]
                 outs = dict(zip(live, results, strict=True))
