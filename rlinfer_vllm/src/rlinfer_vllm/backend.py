@@ -63,6 +63,8 @@ ABORT_SETTLE_S = 2.0
 
 #: how often calls look for exited engine processes (a dead worker -> EngineDead)
 PROCESS_CHECK_S = 0.2
+#: how long vLLM's own shutdown may take before rlinfer kills what is left of the engine
+SHUTDOWN_TIMEOUT_S = 30.0
 
 #: vLLM's structured-output settings unless engine_kwargs set them: xgrammar (what "auto" picks
 #: for the constraints rlinfer sends) generating JSON without free whitespace, so that a model
@@ -243,13 +245,22 @@ class VllmBackend(WeightHooks, MemoryHooks, BenchHooks, LoraHooks, RawLogprobs):
             # stop the output handler first, or it logs the engine core's exit as a failure
             if llm.output_handler is not None:
                 llm.output_handler.cancel()
+            loop = asyncio.get_running_loop()
             try:
-                await asyncio.get_running_loop().run_in_executor(None, llm.shutdown)
+                if llm.errored or self._dead_processes():
+                    # a process died: the others may wait on it forever (a tensor-parallel peer
+                    # inside a collective), so vLLM's orderly shutdown would hang; stop them first
+                    await loop.run_in_executor(None, processes.kill, self._engine_procs)
+                try:
+                    await asyncio.wait_for(loop.run_in_executor(None, llm.shutdown), SHUTDOWN_TIMEOUT_S)
+                except TimeoutError:
+                    logger.warning("vLLM's shutdown took over %.0f s; killing its processes", SHUTDOWN_TIMEOUT_S)
+                    await loop.run_in_executor(None, processes.kill, self._engine_procs)
                 # AsyncLLM.__del__ calls shutdown() again, possibly at interpreter exit when
-                # vLLM's module globals are gone; it is done already.
+                # vLLM's module globals are gone; it is done (or given up) already.
                 llm.shutdown = _already_shut_down  # type: ignore[method-assign,unused-ignore]
             finally:
-                await asyncio.get_running_loop().run_in_executor(None, processes.reap, self._engine_procs)
+                await loop.run_in_executor(None, processes.reap, self._engine_procs)
                 self._lora_cleanup()
 
     def engine_processes(self) -> list[int]:
