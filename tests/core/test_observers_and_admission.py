@@ -134,9 +134,11 @@ def test_requests_wait_at_the_gate_while_paused() -> None:
 
     async def scenario() -> tuple[bool, bool]:
         await e.pause(PauseMode.ABORT)
-        task = asyncio.ensure_future(e.generate([request()]))
-        await asyncio.sleep(0.05)
-        waiting = not task.done()
+        held = request()
+        task = asyncio.ensure_future(e.generate([held]))
+        await asyncio.sleep(0.05)  # plenty for the double to answer were the request not held
+        waiting = held.request_id in e._admission.waiting and not task.done()
+        assert "generate" not in [c[0] for c in INSTANCES[-1].calls], "the engine has not seen it"
         await e.resume()
         await asyncio.wait_for(task, 5)
         return waiting, task.done()
@@ -254,7 +256,8 @@ def test_abort_releases_a_request_waiting_at_the_pause_gate() -> None:
     async def scenario() -> list[Completion]:
         await e.pause(PauseMode.KEEP)
         task = asyncio.ensure_future(e.generate([request(request_id="held")]))
-        await asyncio.sleep(0.05)
+        while "held" not in e._admission.waiting:
+            await asyncio.sleep(0)
         assert not task.done(), "premise: the request waits at the gate"
         await e.abort(["held"])
         out = await asyncio.wait_for(task, 5)

@@ -43,6 +43,11 @@ class Admission:
         """Request ids accepted and not returned yet."""
         return frozenset(self._in_flight)
 
+    @property
+    def waiting(self) -> frozenset[str]:
+        """Request ids held at the closed gate (accepted, not in flight yet)."""
+        return frozenset(rid for ticket in self._waiting for rid in ticket.request_ids)
+
     @contextlib.asynccontextmanager
     async def admit(self, request_ids: Sequence[str], timeout_s: float) -> AsyncIterator[Ticket]:
         """Wait at the gate (while paused), then hold ``request_ids`` in flight for the block.

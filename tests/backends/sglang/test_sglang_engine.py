@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,6 +27,8 @@ from rlinfer_core.tiny_model import make_tiny_model
 from rlinfer_core.types import FinishReason, GenerateRequest, PauseMode, SamplingParams
 
 MAX_LEN = 512
+#: how long a paused-keep request must stay silent (after draining what was already produced)
+PAUSED_QUIET_S = 1.0
 #: children of the test process before the engine started (other engines of the session, ...)
 BEFORE: set[int] = set()
 
@@ -120,30 +123,56 @@ def _disk(path: Path) -> object:
     return CheckpointDir(str(path))
 
 
+def _drain_until_quiet(pool: concurrent.futures.ThreadPoolExecutor, stream: Iterator[Any], into: list[Any]) -> Any:
+    """Take the deltas already on their way; return the pending ``next`` once none came for
+    PAUSED_QUIET_S (bounded: an unpaused stream would keep delivering until it finished)."""
+    pending = pool.submit(next, stream)
+    while True:
+        try:
+            delta = pending.result(timeout=PAUSED_QUIET_S)
+        except concurrent.futures.TimeoutError:
+            return pending
+        assert delta.finish_reason is None, "pause(keep) must freeze the request, not end it"
+        into.append(delta)
+        pending = pool.submit(next, stream)
+
+
 def test_pause_keep_survives_a_weight_update(engine: Engine, models: tuple[Path, Path]) -> None:
-    start = engine.weight_version
-    long = [_greedy([1, 20 + i], MAX_LEN - 8, ignore_eos=True) for i in range(2)]
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        future = pool.submit(engine.generate, long)
-        time.sleep(0.3)
+    """Two requests frozen by pause(keep) across a named-tensor update: no token while paused,
+    then each continues from where it stopped, every later token under the new weights."""
+    from transformers import AutoModelForCausalLM
+
+    old = engine.weight_version
+    max_tokens = 120
+    requests = [_greedy([1, 20 + i], max_tokens, ignore_eos=True) for i in range(2)]
+    new = dict(AutoModelForCausalLM.from_pretrained(str(models[1]), dtype=torch.float32).named_parameters())
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        streams = [engine.stream(r) for r in requests]
+        deltas: list[list[Any]] = [[pool.submit(next, s).result(timeout=120)] for s in streams]
+        assert {r.request_id for r in requests} <= engine.in_flight, "premise: both requests are running"
         engine.pause(PauseMode.KEEP)
         try:
-            assert not future.done()
-            from transformers import AutoModelForCausalLM
-
-            new = AutoModelForCausalLM.from_pretrained(str(models[1]), dtype=torch.float32)
-            version = engine.update_weights(dict(new.named_parameters()))
-            time.sleep(0.3)
-            assert not future.done(), "paused requests stay frozen across the update"
+            pending = [_drain_until_quiet(pool, s, d) for s, d in zip(streams, deltas, strict=True)]
+            frozen_at = [sum(len(d.token_ids) for d in ds) for ds in deltas]
+            assert all(n < max_tokens for n in frozen_at), "pause(keep) froze the requests before their end"
+            version = engine.update_weights(new)
+            assert not any(p.done() for p in pending), "no token while paused, across the update"
+            assert {r.request_id for r in requests} <= engine.in_flight, "kept requests stay in flight"
         finally:
             engine.resume()
-        completions = future.result(timeout=120)
-    assert version == engine.weight_version == start + 1
-    assert all(c.finish_reason is FinishReason.LENGTH and len(c.token_ids) == MAX_LEN - 8 for c in completions)
-    prompt = [1, 5, 6, 7]
-    (c,) = engine.generate(_greedy(prompt, 12, ignore_eos=True))
-    assert list(c.token_ids) == _hf_greedy(models[1], prompt, 12), "greedy == HF argmax of the new weights"
-    assert c.weight_version == version
+        for p, s, ds in zip(pending, streams, deltas, strict=True):
+            ds.append(p.result(timeout=120))
+            ds.extend(s)
+    assert version == engine.weight_version == old + 1
+    for request, ds, n in zip(requests, deltas, frozen_at, strict=True):
+        tokens = [t for d in ds for t in d.token_ids]
+        versions = [v for d in ds for v in (d.token_versions or ())]
+        assert len(tokens) == len(versions) == max_tokens and ds[-1].finish_reason is FinishReason.LENGTH
+        assert versions == [old] * n + [version] * (max_tokens - n), "the switch is where the request froze"
+        prompt = list(request.prompt_token_ids or ())
+        assert tokens[:n] == _hf_greedy(models[0], prompt, n), "frozen tokens: the first model"
+        assert tokens[n:] == _hf_greedy(models[1], prompt + tokens[:n], max_tokens - n), "then the second"
+    engine.update_weights(_disk(models[0]))  # the other tests start from the first model
 
 
 def test_stop_id_under_ignore_eos_batch_and_stream(engine: Engine) -> None:
@@ -165,8 +194,12 @@ def test_abort_a_request_held_by_pause_wait(engine: Engine) -> None:
         try:
             request = _greedy([1, 30], 50)
             future = pool.submit(engine.generate, [request])
-            time.sleep(0.5)
-            assert not future.done(), "pause(wait) holds new requests back"
+            admission = engine.async_engine._admission
+            deadline = time.monotonic() + 30
+            while request.request_id not in admission.waiting and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert request.request_id in admission.waiting, "pause(wait) holds new requests at the gate"
+            assert request.request_id not in engine.in_flight and not future.done()
             engine.abort([request.request_id])
             (c,) = future.result(timeout=30)
         finally:
