@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -29,25 +29,19 @@ from rlinfer_core.tools import ToolCalls, ToolSpec
 from rlinfer_core.types import (
     Capabilities,
     Capability,
-    Completion,
-    CompletionDelta,
     EngineConfig,
-    GenerateRequest,
-    LogprobsMode,
     MemoryTag,
     PauseMode,
 )
 from rlinfer_core.weights import (
     TensorSpec,
 )
-from rlinfer_vllm import convert
-from rlinfer_vllm.batch import complete_all
 from rlinfer_vllm.bench import BenchHooks
 from rlinfer_vllm.capabilities import capabilities, installed_engine, installed_platform
 from rlinfer_vllm.config import engine_args, resolve_platform
+from rlinfer_vllm.generation import Generation
 from rlinfer_vllm.lora import LoraHooks
 from rlinfer_vllm.memory import MemoryHooks
-from rlinfer_vllm.raw import RawLogprobs, delta_tokens
 from rlinfer_vllm.tools import ToolParsing
 from rlinfer_vllm.versions import TokenVersions
 from rlinfer_vllm.weights import WeightHooks
@@ -82,7 +76,7 @@ def create(config: EngineConfig) -> Any:
     return VllmBackend(config)
 
 
-class VllmBackend(WeightHooks, MemoryHooks, BenchHooks, LoraHooks, RawLogprobs):
+class VllmBackend(WeightHooks, MemoryHooks, BenchHooks, LoraHooks, Generation):
     """Implements rlinfer's operation hooks for one vLLM engine."""
 
     def __init__(self, config: EngineConfig) -> None:
@@ -286,119 +280,6 @@ class VllmBackend(WeightHooks, MemoryHooks, BenchHooks, LoraHooks, RawLogprobs):
                 role = f"{title}-{proc.pid}"
             roles[role] = proc.pid
         return roles
-
-    # --- generate ------------------------------------------------------------------------------
-
-    def _prompt_ids(self, llm: AsyncLLM, request: GenerateRequest) -> list[int]:
-        if request.prompt_token_ids is not None:
-            return list(request.prompt_token_ids)
-        assert request.messages is not None
-        tokenizer = llm.tokenizer
-        if tokenizer is None:
-            raise InvalidRequest("messages", "the engine has no tokenizer; send prompt_token_ids")
-        tools = [t.to_openai() for t in request.tools] if request.tools else None
-        try:
-            text = tokenizer.apply_chat_template(
-                [{"role": m.role, "content": m.content} for m in request.messages],
-                tools=tools,
-                tokenize=False,
-                add_generation_prompt=True,
-            )
-        except Exception as exc:
-            raise InvalidRequest("messages", f"the chat template failed: {exc}") from exc
-        ids = list(tokenizer.encode(str(text), add_special_tokens=False))
-        if not ids:
-            raise InvalidRequest("messages", "the chat template produced an empty prompt")
-        assert self._info is not None
-        if len(ids) >= self._info.max_model_len:
-            raise InvalidRequest(
-                "messages", f"the templated prompt has {len(ids)} tokens, max_model_len is {self._info.max_model_len}"
-            )
-        return ids
-
-    def _max_len(self) -> int:
-        assert self._info is not None
-        return self._info.max_model_len
-
-    @hookimpl
-    async def rlinfer_generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:
-        """Run every request concurrently; n completions per request, in request order."""
-        self._alive()
-        return await complete_all(requests, self._complete)
-
-    async def _complete(self, request: GenerateRequest) -> list[Completion]:
-        from vllm.inputs.engine import tokens_input
-        from vllm.sampling_params import RequestOutputKind
-
-        llm = self._alive()
-        ids = self._prompt_ids(llm, request)
-        params = convert.sampling_params(request, len(ids), self._max_len(), RequestOutputKind.FINAL_ONLY)
-        started = time.perf_counter()
-        last = None
-        served = self._lora_acquire(request)
-        lora = served.request if served is not None else None
-        try:
-            self._inflight.add(request.request_id)
-            try:
-                async for out in llm.generate(tokens_input(ids), params, request.request_id, lora_request=lora):
-                    last = out
-            except Exception as exc:
-                raise self._translate(exc) from exc
-            finally:
-                self._inflight.discard(request.request_id)
-            versions = self._versions
-            assert versions is not None
-            latency = time.perf_counter() - started
-            if last is None:
-                versions.forget(request.request_id, params.n)
-                return convert.aborted_before_output(request, ids, latency)
-            done = [
-                attrs.evolve(c, token_versions=versions.take(request.request_id, c.index, len(c.token_ids)))
-                for c in convert.completions(request, last, latency)
-            ]
-            versions.forget(request.request_id, params.n)
-            return convert.replicate(request, await self._with_raw(request, ids, done, lora))
-        finally:
-            await self._lora_done(served)
-
-    @hookimpl
-    async def rlinfer_generate_stream(self, request: GenerateRequest) -> AsyncIterator[CompletionDelta]:
-        """Stream deltas (vLLM's DELTA output kind); the last one of each sample has its finish reason."""
-        from vllm.inputs.engine import tokens_input
-        from vllm.sampling_params import RequestOutputKind
-
-        llm = self._alive()
-        ids = self._prompt_ids(llm, request)
-        params = convert.sampling_params(request, len(ids), self._max_len(), RequestOutputKind.DELTA)
-        versions = self._versions
-        assert versions is not None
-        served = self._lora_acquire(request)
-        lora = served.request if served is not None else None
-        raw = request.sampling.logprobs_mode is LogprobsMode.RAW
-        seen: dict[int, list[int]] = {}
-        self._inflight.add(request.request_id)
-        try:
-            async for out in llm.generate(tokens_input(ids), params, request.request_id, lora_request=lora):
-                if out.finished:  # ended in the engine; the consumer may read it later
-                    self._inflight.discard(request.request_id)
-                for o in out.outputs:
-                    finished = o.finish_reason is not None
-                    if o.token_ids or finished:
-                        delta = convert.delta(request.request_id, o, finished)
-                        stamps = versions.take(request.request_id, o.index, len(delta.token_ids))
-                        delta = attrs.evolve(delta, token_versions=stamps)
-                        if raw and delta.token_ids:
-                            so_far, start = delta_tokens(seen, o.index, delta.token_ids)
-                            lps, _ = await self._raw_score(ids, so_far, start, 0, lora)
-                            delta = attrs.evolve(delta, logprobs=lps)
-                        for item in convert.replicate(request, [delta]):
-                            yield item
-        except Exception as exc:
-            raise self._translate(exc) from exc
-        finally:
-            self._inflight.discard(request.request_id)
-            versions.forget(request.request_id, params.n)
-            await self._lora_done(served)
 
     def _translate(self, exc: Exception) -> Exception:
         import vllm.exceptions
