@@ -14,9 +14,10 @@ when it was attached to.
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import AsyncIterator, Callable, Mapping
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any, TypeVar
 
 from rlinfer_core.errors import EngineDead, EngineTimeout, InvalidRequest, RLInferError
 
@@ -25,6 +26,11 @@ from rlinfer_core.errors import EngineDead, EngineTimeout, InvalidRequest, RLInf
 CONNECT_TIMEOUT_S = 5.0
 #: how long a liveness probe (/health) may take before the server counts as dead
 HEALTH_TIMEOUT_S = 5.0
+#: how often a pending call looks at a launched server's processes (a call whose answer can
+#: never come, e.g. the engine process that would produce it was killed, ends with EngineDead)
+WATCH_S = 0.25
+
+T = TypeVar("T")
 
 
 class ServerError(RLInferError):
@@ -108,6 +114,22 @@ class ServerClient:
             return False
         return response.status_code == 200
 
+    async def watched(self, awaitable: Awaitable[T]) -> T:
+        """Await ``awaitable``; EngineDead as soon as one of a launched server's processes exits."""
+        if self._dead_pids is None:
+            return await awaitable
+        task = asyncio.ensure_future(awaitable)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=WATCH_S)
+                if done:
+                    return task.result()
+                self.check_processes()
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
     async def _dead(self, path: str, exc: BaseException | str) -> EngineDead:
         self.check_processes()
         return EngineDead(
@@ -170,7 +192,7 @@ class ServerClient:
         self.check_processes()
         timeout = timeout_s if timeout_s is not None else self.timeout_s
         try:
-            response = await self.client.request(method, path, json=body, params=params, timeout=timeout)
+            response = await self.watched(self.client.request(method, path, json=body, params=params, timeout=timeout))
         except Exception as exc:
             raise await self.translate(path, exc) from exc
         if response.status_code >= 500:
@@ -182,7 +204,7 @@ class ServerClient:
         self.check_processes()
         timeout = timeout_s if timeout_s is not None else self.timeout_s
         try:
-            response = await self.client.post(path, json=body, params=params, timeout=timeout)
+            response = await self.watched(self.client.post(path, json=body, params=params, timeout=timeout))
         except Exception as exc:
             raise await self.translate(path, exc) from exc
         result = await self.check(path, response)
@@ -195,7 +217,7 @@ class ServerClient:
         self.check_processes()
         timeout = timeout_s if timeout_s is not None else self.timeout_s
         try:
-            response = await self.client.get(path, timeout=timeout)
+            response = await self.watched(self.client.get(path, timeout=timeout))
         except Exception as exc:
             raise await self.translate(path, exc) from exc
         result = await self.check(path, response)
@@ -216,7 +238,12 @@ class ServerClient:
                     error = await self.check(path, response)
                     if isinstance(error, InvalidRequest):
                         raise error
-                async for line in response.aiter_lines():
+                lines = response.aiter_lines()
+                while True:
+                    try:
+                        line = await self.watched(anext(lines))
+                    except StopAsyncIteration:
+                        break
                     if not line.startswith("data: "):
                         continue
                     data = line[len("data: ") :]
