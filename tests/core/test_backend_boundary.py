@@ -16,7 +16,7 @@ from recording_double import DEFAULT_SUPPORTED, DOUBLE_INFO, INSTANCES, Recordin
 
 from rlinfer_core.backend import Backend, BenchBackend, FullBackend, StreamingBackend, check_backend
 from rlinfer_core.engine import AsyncEngine, transport_capability, transport_name
-from rlinfer_core.errors import BackendLoadError, EngineTimeout, UnsupportedCapability
+from rlinfer_core.errors import BackendLoadError, EngineTimeout, InvalidRequest, UnsupportedCapability
 from rlinfer_core.preflight import TRANSPORT_CAPABILITY
 from rlinfer_core.types import Capability, EngineConfig, GenerateRequest, SamplingParams
 from rlinfer_core.weights import BroadcastSource, Buckets, CheckpointDir, NamedTensors, TensorSpec
@@ -219,3 +219,68 @@ def test_no_source_file_of_the_four_packages_is_over_500_lines() -> None:
         if (n := len(path.read_text().splitlines())) > 500
     ]
     assert long == []
+
+
+# --- backend logic shared in the core ------------------------------------------------------------
+
+
+def test_capabilities_without_drops_only_claimed_ones_with_their_reason() -> None:
+    from rlinfer_core.types import Capabilities
+
+    caps = Capabilities("b", "1", "cpu", {Capability.CHAT, Capability.LORA}, {"abort": "never"})
+    off = caps.without({Capability.CHAT: "no chat template", Capability.ABORT: "ignored: not claimed"})
+    assert off.supported == {Capability.LORA}
+    assert off.notes == {"abort": "never", "generate.chat": "no chat template"}
+    assert caps.without({}) is caps and caps.without({Capability.ABORT: "x"}) is caps
+
+
+def test_prompt_ids_render_messages_with_the_chat_template(tmp_path: Path) -> None:
+    from rlinfer_core.chat_template import load_tokenizer, prompt_ids
+    from rlinfer_core.tiny_model import TinyModelSpec, make_tiny_model
+    from rlinfer_core.types import ChatMessage
+
+    tok = load_tokenizer(str(make_tiny_model(tmp_path / "m", seed=0, spec=TinyModelSpec(num_hidden_layers=1))))
+    assert prompt_ids(None, GenerateRequest(prompt_token_ids=[3, 4]), 8) == [3, 4]
+    chat = GenerateRequest(messages=[ChatMessage("user", "hi")])
+    ids = prompt_ids(tok, chat, 1024)
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert ids == tok.encode(text, add_special_tokens=False)
+    for tokenizer, limit, says in [(None, 1024, "no tokenizer"), (tok, len(ids), "max_model_len")]:
+        with pytest.raises(InvalidRequest) as info:
+            prompt_ids(tokenizer, chat, limit)
+        assert info.value.field == "messages" and says in str(info.value)
+
+
+def test_start_in_thread_hands_an_abandoned_start_to_its_cleanup() -> None:
+    import threading
+
+    from rlinfer_core.processes import start_in_thread
+
+    started, release = threading.Event(), threading.Event()
+    abandoned: list[str] = []
+
+    def slow_start() -> str:
+        started.set()
+        release.wait(10)
+        return "engine"
+
+    def cleanup(future: asyncio.Future[str]) -> None:
+        abandoned.append(future.result())
+
+    async def body() -> None:
+        assert await start_in_thread(lambda: "up", cleanup) == "up"
+        task = asyncio.ensure_future(start_in_thread(slow_start, cleanup))
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        task.cancel()  # as the facade's startup timeout does
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert abandoned == [], "premise: the start is still running in its thread"
+        release.set()
+        for _ in range(500):
+            if abandoned:
+                break
+            await asyncio.sleep(0.01)
+
+    asyncio.run(body())
+    assert abandoned == ["engine"], "the start finished after the cancel and reached its cleanup"

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from rlinfer_core.errors import RLInferError
+from rlinfer_core.errors import InvalidRequest, RLInferError
+
+if TYPE_CHECKING:
+    from rlinfer_core.types import GenerateRequest
 
 Message = Mapping[str, Any]
 
@@ -50,6 +53,35 @@ def load_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+
+
+def prompt_ids(tokenizer: Any, request: GenerateRequest, max_model_len: int) -> list[int]:
+    """The prompt a backend sends for ``request``: its ``prompt_token_ids``, or its ``messages``
+    (and ``tools``) rendered by the engine's tokenizer's chat template with the generation prompt,
+    tokenised without adding special tokens (the template holds them). InvalidRequest("messages")
+    when there is no tokenizer, the template fails, or the prompt is empty or too long."""
+    if request.prompt_token_ids is not None:
+        return list(request.prompt_token_ids)
+    assert request.messages is not None
+    if tokenizer is None:
+        raise InvalidRequest("messages", "the engine has no tokenizer; send prompt_token_ids")
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": m.role, "content": m.content} for m in request.messages],
+            tools=[t.to_openai() for t in request.tools] if request.tools else None,
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+    except Exception as exc:
+        raise InvalidRequest("messages", f"the chat template failed: {exc}") from exc
+    ids = list(tokenizer.encode(str(text), add_special_tokens=False))
+    if not ids:
+        raise InvalidRequest("messages", "the chat template produced an empty prompt")
+    if len(ids) >= max_model_len:
+        raise InvalidRequest(
+            "messages", f"the templated prompt has {len(ids)} tokens, max_model_len is {max_model_len}"
+        )
+    return ids
 
 
 def _common_prefix(a: str, b: str) -> int:

@@ -8,9 +8,13 @@ data-loader workers must survive an engine shutdown. Needs psutil (``rlinfer-cor
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 #: Python's own helper processes: they belong to the interpreter, not to the engine, serve every
 #: later user of shared memory in this process, and exit with it
@@ -88,3 +92,18 @@ def kill(procs: list[Any], grace_s: float = 5.0) -> list[int]:
             if proc.status() == psutil.STATUS_ZOMBIE:
                 proc.wait(timeout=1.0)
     return killed
+
+
+async def start_in_thread(start: Callable[[], T], if_abandoned: Callable[[asyncio.Future[T]], None]) -> T:
+    """Run a blocking engine start in a worker thread; return what it returns.
+
+    The event loop (and the facade's startup timeout) keeps running meanwhile. A thread cannot be
+    interrupted: when the awaiting task is cancelled (the startup timeout), the start goes on, and
+    ``if_abandoned`` gets its future once it is done, to shut down whatever it started.
+    """
+    future = asyncio.get_running_loop().run_in_executor(None, start)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        future.add_done_callback(if_abandoned)
+        raise

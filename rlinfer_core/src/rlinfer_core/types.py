@@ -374,6 +374,15 @@ class Capabilities:
         if capability not in self.supported:
             raise UnsupportedCapability(capability.value, self.backend, self.notes.get(capability.value, ""))
 
+    def without(self, reasons: Mapping[Capability, str]) -> Capabilities:
+        """A copy that no longer claims the supported capabilities among ``reasons``, each noted
+        with its reason (what a running engine's configuration turns off)."""
+        dropped = {c for c in reasons if c in self.supported}
+        if not dropped:
+            return self
+        notes = {**self.notes, **{c.value: reasons[c] for c in dropped}}
+        return attrs.evolve(self, supported=self.supported - dropped, notes=notes)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
         return {

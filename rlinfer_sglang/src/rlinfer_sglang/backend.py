@@ -21,8 +21,6 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import attrs
-
 from rlinfer_core.errors import BackendLoadError, EngineDead, RLInferError
 from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.model_info import ModelInfo
@@ -164,20 +162,14 @@ class SGLangBackend(Supervision, Generation, Memory, AgentHooks):
         return str(snapshot_download(self.config.model, allow_patterns=["*.safetensors", "*.json"]))
 
     def _runtime_capabilities(self) -> Capabilities:
-        caps = self._caps
-        tokenizer = getattr(self._tm, "tokenizer", None)
-        if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
-            notes = dict(caps.notes)
-            notes[Capability.CHAT.value] = "the model's tokenizer has no chat template"
-            caps = attrs.evolve(caps, supported=caps.supported - {Capability.CHAT}, notes=notes)
-        if self.platform == "cpu" and Capability.WEIGHTS_CHECKSUM in caps.supported and _amx_repacks():
-            notes = {**caps.notes, Capability.WEIGHTS_CHECKSUM.value: AMX_NOTE}
-            caps = attrs.evolve(caps, supported=caps.supported - {Capability.WEIGHTS_CHECKSUM}, notes=notes)
-        overlap = not getattr(getattr(self._tm, "server_args", None), "disable_overlap_schedule", True)
-        if overlap and Capability.SAMPLING_PENALTIES in caps.supported:
-            notes = {**caps.notes, Capability.SAMPLING_PENALTIES.value: OVERLAP_NOTE}
-            caps = attrs.evolve(caps, supported=caps.supported - {Capability.SAMPLING_PENALTIES}, notes=notes)
-        return caps
+        off: dict[Capability, str] = {}
+        if getattr(getattr(self._tm, "tokenizer", None), "chat_template", None) is None:
+            off[Capability.CHAT] = "the model's tokenizer has no chat template"
+        if self.platform == "cpu" and Capability.WEIGHTS_CHECKSUM in self._caps.supported and _amx_repacks():
+            off[Capability.WEIGHTS_CHECKSUM] = AMX_NOTE
+        if not getattr(getattr(self._tm, "server_args", None), "disable_overlap_schedule", True):
+            off[Capability.SAMPLING_PENALTIES] = OVERLAP_NOTE
+        return self._caps.without(off)
 
     @hookimpl
     def rlinfer_capabilities(self) -> Capabilities:

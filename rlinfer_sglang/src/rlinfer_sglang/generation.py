@@ -11,7 +11,8 @@ from typing import Any
 
 import attrs
 
-from rlinfer_core.errors import InvalidRequest, RLInferError
+from rlinfer_core.chat_template import prompt_ids
+from rlinfer_core.errors import RLInferError
 from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.types import (
     Completion,
@@ -20,7 +21,6 @@ from rlinfer_core.types import (
     LogprobsMode,
 )
 from rlinfer_sglang import convert
-from rlinfer_sglang.agent import openai_tools
 from rlinfer_sglang.inflight import InFlight
 
 
@@ -28,29 +28,7 @@ class Generation(InFlight):
     """``rlinfer_generate``, ``rlinfer_generate_stream`` and the raw-generate bench hook."""
 
     def _prompt_ids(self, request: GenerateRequest) -> list[int]:
-        if request.prompt_token_ids is not None:
-            return list(request.prompt_token_ids)
-        assert request.messages is not None
-        tokenizer = getattr(self._tm, "tokenizer", None)
-        if tokenizer is None:
-            raise InvalidRequest("messages", "the engine has no tokenizer; send prompt_token_ids")
-        try:
-            text = tokenizer.apply_chat_template(
-                [{"role": m.role, "content": m.content} for m in request.messages],
-                tools=openai_tools(request.tools),
-                tokenize=False,
-                add_generation_prompt=True,
-            )
-        except Exception as exc:
-            raise InvalidRequest("messages", f"the chat template failed: {exc}") from exc
-        ids = list(tokenizer.encode(str(text), add_special_tokens=False))
-        if not ids:
-            raise InvalidRequest("messages", "the chat template produced an empty prompt")
-        if len(ids) >= self._max_len():
-            raise InvalidRequest(
-                "messages", f"the templated prompt has {len(ids)} tokens, max_model_len is {self._max_len()}"
-            )
-        return ids
+        return prompt_ids(getattr(self._tm, "tokenizer", None), request, self._max_len())
 
     @hookimpl
     async def rlinfer_generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:

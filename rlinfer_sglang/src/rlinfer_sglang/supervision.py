@@ -105,7 +105,6 @@ class Supervision(BackendBase):
             from sglang.srt.entrypoints.engine import Engine
         except Exception as exc:
             raise BackendLoadError(f"cannot import SGLang: {type(exc).__name__}: {exc}") from exc
-        loop = asyncio.get_running_loop()
         self._dead_event = asyncio.Event()
         self._gate = asyncio.Event()
         self._gate.set()
@@ -128,12 +127,8 @@ class Supervision(BackendBase):
         override = needs_context_override(config) and "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN" not in os.environ
         if override:
             os.environ["SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"] = "1"
-        future = loop.run_in_executor(None, lambda: Engine(**kwargs))
         try:
-            engine = await asyncio.shield(future)
-        except asyncio.CancelledError:
-            future.add_done_callback(lambda f: self._kill_late(f, before))
-            raise
+            engine = await processes.start_in_thread(lambda: Engine(**kwargs), lambda f: self._kill_late(f, before))
         except Exception as exc:
             processes.kill(processes.started_since(before), grace_s=2.0)
             self._restore_signals()

@@ -14,8 +14,6 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import attrs
-
 from rlinfer_core import processes
 from rlinfer_core.errors import (
     BackendLoadError,
@@ -126,14 +124,10 @@ class VllmBackend(WeightHooks, MemoryHooks, BenchHooks, LoraHooks, Generation):
             args = AsyncEngineArgs(**kwargs)
         except Exception as exc:
             raise BackendLoadError(f"vLLM rejected the engine configuration: {exc}") from exc
-        # from_engine_args blocks until the engine is up; a thread keeps the event loop (and the
-        # facade's startup timeout) alive meanwhile.
-        future = asyncio.get_running_loop().run_in_executor(None, AsyncLLM.from_engine_args, args)
-        try:
-            llm = await asyncio.shield(future)
-        except asyncio.CancelledError:
-            future.add_done_callback(lambda f: _shutdown_late(f, before))
-            raise
+        try:  # from_engine_args blocks until the engine is up
+            llm = await processes.start_in_thread(
+                lambda: AsyncLLM.from_engine_args(args), lambda f: _shutdown_late(f, before)
+            )
         except Exception as exc:
             processes.reap(processes.started_since(before), timeout_s=5.0)
             raise BackendLoadError(f"vLLM failed to start for model {config.model!r}: {exc}") from exc
@@ -174,21 +168,14 @@ class VllmBackend(WeightHooks, MemoryHooks, BenchHooks, LoraHooks, Generation):
         device = str(current_platform.device_type)
         if device != self.platform:
             raise BackendLoadError(f"vLLM runs on {device!r}, expected {self.platform!r}")
-        caps = self._caps
-        if Capability.LORA in caps.supported and llm.vllm_config.lora_config is None:
-            notes = dict(caps.notes)
-            notes[Capability.LORA.value] = "vLLM started without a LoRA config (enable_lora)"
-            caps = attrs.evolve(caps, supported=caps.supported - {Capability.LORA}, notes=notes)
+        off: dict[Capability, str] = {}
+        if llm.vllm_config.lora_config is None:
+            off[Capability.LORA] = "vLLM started without a LoRA config (enable_lora)"
         if llm.model_config.quantization is not None or self.config.tensor_parallel_size != 1:
-            notes = dict(caps.notes)
-            notes[Capability.WEIGHTS_CHECKSUM.value] = "needs an unquantized model and tensor_parallel_size=1"
-            caps = attrs.evolve(caps, supported=caps.supported - {Capability.WEIGHTS_CHECKSUM}, notes=notes)
-        tokenizer = llm.tokenizer
-        if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
-            notes = dict(caps.notes)
-            notes[Capability.CHAT.value] = "the model's tokenizer has no chat template"
-            caps = attrs.evolve(caps, supported=caps.supported - {Capability.CHAT}, notes=notes)
-        return caps
+            off[Capability.WEIGHTS_CHECKSUM] = "needs an unquantized model and tensor_parallel_size=1"
+        if getattr(llm.tokenizer, "chat_template", None) is None:
+            off[Capability.CHAT] = "the model's tokenizer has no chat template"
+        return self._caps.without(off)
 
     @hookimpl
     def rlinfer_capabilities(self) -> Capabilities:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from rlinfer_core.errors import InvalidRequest
+from rlinfer_core.chat_template import prompt_ids
 from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.model_info import ModelInfo
 from rlinfer_core.types import Completion, CompletionDelta, GenerateRequest, LogprobsMode
@@ -36,31 +36,7 @@ class Generation(RawLogprobs):
         raise NotImplementedError
 
     def _prompt_ids(self, llm: AsyncLLM, request: GenerateRequest) -> list[int]:
-        if request.prompt_token_ids is not None:
-            return list(request.prompt_token_ids)
-        assert request.messages is not None
-        tokenizer = llm.tokenizer
-        if tokenizer is None:
-            raise InvalidRequest("messages", "the engine has no tokenizer; send prompt_token_ids")
-        tools = [t.to_openai() for t in request.tools] if request.tools else None
-        try:
-            text = tokenizer.apply_chat_template(
-                [{"role": m.role, "content": m.content} for m in request.messages],
-                tools=tools,
-                tokenize=False,
-                add_generation_prompt=True,
-            )
-        except Exception as exc:
-            raise InvalidRequest("messages", f"the chat template failed: {exc}") from exc
-        ids = list(tokenizer.encode(str(text), add_special_tokens=False))
-        if not ids:
-            raise InvalidRequest("messages", "the chat template produced an empty prompt")
-        assert self._info is not None
-        if len(ids) >= self._info.max_model_len:
-            raise InvalidRequest(
-                "messages", f"the templated prompt has {len(ids)} tokens, max_model_len is {self._info.max_model_len}"
-            )
-        return ids
+        return prompt_ids(llm.tokenizer, request, self._max_len())
 
     def _max_len(self) -> int:
         assert self._info is not None
