@@ -42,9 +42,28 @@ class ServerError(RLInferError):
         super().__init__(f"the {engine} server failed {path} (HTTP {status}): {message}")
 
 
+def _pydantic_field(message: str) -> str | None:
+    """The field of the first pydantic error quoted in ``message`` (``'loc': ('body', 'x')``),
+    for servers that pass the validation error on as text."""
+    import re
+
+    found = re.search(r"'loc': \(([^)]*)\)", message)
+    if found is None:
+        return None
+    parts = [p.strip().strip("'\"") for p in found.group(1).split(",")]
+    names = [p for p in parts if p and p not in ("body", "query") and not p.isdigit()]
+    return names[-1] if names else None
+
+
 def error_message(body: Any) -> tuple[str | None, str]:
     """(param, message) from ``{"error": {...}}`` (OpenAI style), ``{"error": "..."}``,
-    FastAPI's ``{"detail": ...}``, ``{"message": ...}`` or plain text."""
+    FastAPI's ``{"detail": ...}``, ``{"message": ..., "param": ...}`` or plain text; a missing
+    param is read from a pydantic error quoted in the message."""
+    param, message = _error_message(body)
+    return param or _pydantic_field(message), message
+
+
+def _error_message(body: Any) -> tuple[str | None, str]:
     if isinstance(body, Mapping):
         error = body.get("error")
         if isinstance(error, Mapping):
@@ -58,7 +77,8 @@ def error_message(body: Any) -> tuple[str | None, str]:
         if detail is not None:
             return None, str(detail)
         if "message" in body:
-            return None, str(body["message"])
+            param = body.get("param")
+            return (param if isinstance(param, str) else None), str(body["message"])
     return None, str(body)
 
 

@@ -153,10 +153,6 @@ def test_a_4xx_is_invalid_request_naming_the_field(server: External) -> None:
     assert typed.field == "input_ids", typed
     assert "temperature" in str(value), value
     assert server.healthy()
-    finally:
-        engine.shutdown()
-    assert server.healthy(), "shutdown of an attached engine stopped the server"
-    assert server.process.exited() is None
 
 
 def test_second_client_sees_the_first_clients_update(server: External, models: tuple[Path, Path]) -> None:
@@ -177,13 +173,13 @@ def test_second_client_sees_the_first_clients_update(server: External, models: t
         second.shutdown()
 
 
-def test_server_options_are_the_server_args() -> None:
+def test_server_options_are_the_server_args(models: tuple[Path, Path]) -> None:
     """The launcher spells every ServerArgs value as the ``sglang serve`` option SGLang's parser
     maps back onto the same value."""
     from rlinfer_sglang.config import server_args
     from rlinfer_sglang.server_mode.launch import SERVER_OVERRIDES, _parser, server_argv
 
-    config = EngineConfig(model="/m", enable_prefix_caching=False, **FIELDS)
+    config = EngineConfig(model=str(models[0]), enable_prefix_caching=False, **FIELDS)
     kwargs = server_args(config, "cpu")
     parsed = vars(_parser().parse_args(server_argv(kwargs, "127.0.0.1", 8123)))
     for key, value in kwargs.items():
