@@ -77,6 +77,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "per_run_ratio_median": statistics.median(ratios),
             "per_run_ratio_spread": [min(ratios), max(ratios)],
             "runs": rates,
+            "model_info_equal": inproc.model_info == server.model_info,
         }
     finally:
         await server.shutdown()

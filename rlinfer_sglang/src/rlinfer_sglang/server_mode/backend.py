@@ -143,7 +143,9 @@ class SGLangServerBackend(ServerMemory, Generation, AgentHooks):
             raise BackendLoadError(f"the SGLang server runs on {info.get('device')!r}, expected {self.platform!r}")
         self._tp_size = int(info.get("tp_size") or 1)
         self._tokenizer = await asyncio.get_running_loop().run_in_executor(None, self._load_tokenizer)
-        self._info = self._model_info(info)
+        models = await http.get("/v1/models")  # the resolved context length (server_info: as given)
+        context = next((m.get("max_model_len") for m in models.get("data") or () if m.get("max_model_len")), None)
+        self._info = self._model_info(info, context or info.get("context_length"))
         self._specs = self._weight_specs(info)
         ok, message = await self._control(
             http, "/update_weight_version", {"new_version": wire.label(0), "abort_all_requests": False}
@@ -164,7 +166,7 @@ class SGLangServerBackend(ServerMemory, Generation, AgentHooks):
         except Exception:
             return None
 
-    def _model_info(self, info: Mapping[str, Any]) -> ModelInfo:
+    def _model_info(self, info: Mapping[str, Any], context: Any) -> ModelInfo:
         from rlinfer_sglang.config import _hf_config
 
         cfg = _hf_config(self.config.model) or {}
@@ -178,7 +180,9 @@ class SGLangServerBackend(ServerMemory, Generation, AgentHooks):
         if isinstance(tok_eos, int):
             eos.add(tok_eos)
         # as in-process: SGLang accepts prompts of at most max_req_input_len tokens
-        max_len = int(info["context_length"])
+        if not isinstance(context, int):
+            raise BackendLoadError(f"the SGLang server reports no context length (/v1/models): {context!r}")
+        max_len = context
         limit = info.get("max_req_input_len")
         if self.config.max_model_len is not None:
             max_len = self.config.max_model_len
