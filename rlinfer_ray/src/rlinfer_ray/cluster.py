@@ -14,12 +14,19 @@ from rlinfer_core.errors import EngineTimeout
 from rlinfer_core.types import EngineConfig
 from rlinfer_ray.config import PoolConfig
 
+#: niceness of the worker processes of a local Ray instance the pool starts (Ray's default: 15)
+WORKER_NICENESS = 0
+
 
 def ensure_ray(pool: PoolConfig, cpus_needed: float) -> None:
     """Connect to Ray (``pool.ray_address`` / RAY_ADDRESS) or start a local instance.
 
     A local instance declares at least ``cpus_needed`` logical CPUs, so that a pool of small CPU
-    engines fits on a laptop (Ray's CPUs are a scheduling unit, not a core pinning).
+    engines fits on a laptop (Ray's CPUs are a scheduling unit, not a core pinning), and runs its
+    workers at niceness 0: Ray's default (15) puts the replicas' engine processes below every
+    other process of the machine, and on a machine with other work (a trainer's data loading,
+    other engines) that measured 2-3x slower generation than the same engine outside Ray
+    (docs/fleet.md). A joined cluster keeps its own setting (``RAY_worker_niceness=0 ray start``).
     """
     import ray
 
@@ -34,6 +41,7 @@ def ensure_ray(pool: PoolConfig, cpus_needed: float) -> None:
         include_dashboard=False,
         logging_level="WARNING",
         log_to_driver=False,
+        _system_config={"worker_niceness": WORKER_NICENESS},
     )
 
 
