@@ -219,7 +219,7 @@ class ControlPlane:
         else:
             members = self.replicas.alive()
             # one copy in Ray's object store, read by every replica (and kept to re-sync restarts)
-            shipped = ray.put(source) if isinstance(source, NamedTensors | Buckets) else source
+            shipped = ray.put(host_copy(source)) if isinstance(source, NamedTensors | Buckets) else source
             replay = shipped if isinstance(source, NamedTensors | Buckets | CheckpointDir) else None
         if not members:
             raise EngineDead(
@@ -356,3 +356,18 @@ class ControlPlane:
             if r.pid is not None:
                 out[f"replica{r.index}.actor"] = r.pid
         return out
+
+
+def host_copy(source: NamedTensors | Buckets) -> NamedTensors | Buckets:
+    """``source`` with its CUDA tensors copied to host memory (others as they are).
+
+    A tensor pickled on ``cuda:k`` unpickles only on a process that has a device ``k``, and each
+    replica sees its own GPUs only; the host copy is what Ray's object store would hold anyway.
+    """
+    if isinstance(source, NamedTensors):
+        if not any(t.is_cuda for _, t in source.tensors):
+            return source
+        return NamedTensors(tuple((name, t.detach().cpu()) for name, t in source.tensors))
+    if not any(b.data.is_cuda for b in source.buckets):
+        return source
+    return Buckets(tuple(attrs.evolve(b, data=b.data.cpu()) for b in source.buckets))
