@@ -211,13 +211,18 @@ def test_replica_killed_mid_generate_is_retried_and_restarted(pool: Any) -> None
     requests = _long(4)
     orphans = list(pool.pool.replicas.replicas[0].procs)
     assert orphans, "the replica reported its engine processes"
+    before = _served(pool)
     with concurrent.futures.ThreadPoolExecutor(1) as helper:
         future = helper.submit(pool.generate, requests)
         _wait_busy(pool, 0)
+        _wait_busy(pool, 1)  # the batch is split: two requests in flight on each replica
         _kill_actor(pool, 0)
         out = future.result(timeout=300)
     assert [c.finish_reason for c in out] == [FinishReason.LENGTH] * 4
     assert all(len(c.token_ids) == 300 for c in out)
+    after = _served(pool)
+    assert after[1] - before[1] == 4, "replica 1 served its own two requests and the two retried from replica 0"
+    assert after[0] == before[0], "nothing completed on the killed replica"
     started = time.monotonic()
     pool.wait_ready(RESTART_BOUND_S)
     print(f"replica restart after a kill: {time.monotonic() - started:.1f} s")

@@ -23,9 +23,10 @@ from rlinfer_core.backend import StreamingBackend, claimed_but_missing, present
 from rlinfer_core.discovery import get_backend, plugin_objects
 from rlinfer_core.engine_agent import EngineAgent
 from rlinfer_core.engine_weights import EngineWeights
-from rlinfer_core.errors import BackendLoadError, InvalidRequest
+from rlinfer_core.errors import BackendLoadError
 from rlinfer_core.preflight import (
     TRANSPORT_CAPABILITY,
+    as_batch,
     as_memory_tags,
     request_capabilities,
     transport_capability,
@@ -124,11 +125,7 @@ class AsyncEngine(EngineAgent, EngineWeights):
 
     async def generate(self, requests: GenerateRequest | Sequence[GenerateRequest]) -> list[Completion]:
         """Generate completions: ``n`` per request, in request order, then sample index."""
-        batch = [requests] if isinstance(requests, GenerateRequest) else list(requests)
-        for request in batch:
-            self._validate_request(request)
-        if len({r.request_id for r in batch}) != len(batch):
-            raise InvalidRequest("request_id", "request ids in one batch must be unique")
+        batch = as_batch(requests, self._validate_request)
         if not batch:
             return []
         started = time.perf_counter()

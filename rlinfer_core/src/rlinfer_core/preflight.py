@@ -3,7 +3,7 @@ transport needs, request limits, memory tags. Pure functions; no engine, no torc
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, assert_never
 
 from rlinfer_core.errors import InvalidRequest, WeightUpdateError
@@ -168,3 +168,15 @@ def update_target(update: WeightUpdate, current: int, capabilities: Capabilities
     if MemoryTag.WEIGHTS in frozenset(released):
         raise WeightUpdateError("weights are released; call resume_memory(['weights']) first")
     return target
+
+
+def as_batch(
+    requests: GenerateRequest | Sequence[GenerateRequest], check: Callable[[GenerateRequest], None]
+) -> list[GenerateRequest]:
+    """The batch ``generate`` was given, each request passed through ``check``, ids unique."""
+    batch = [requests] if isinstance(requests, GenerateRequest) else list(requests)
+    for request in batch:
+        check(request)
+    if len({r.request_id for r in batch}) != len(batch):
+        raise InvalidRequest("request_id", "request ids in one batch must be unique")
+    return batch

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from rlinfer_core.errors import EngineDead, EngineTimeout, InvalidRequest
-from rlinfer_core.preflight import validate_request
+from rlinfer_core.preflight import as_batch, validate_request
 from rlinfer_core.types import Capability, Completion, CompletionDelta, GenerateRequest
 from rlinfer_ray.control import ControlPlane
 from rlinfer_ray.replica import is_replica_death
@@ -73,12 +73,8 @@ class DataPlane(ControlPlane):
         session: Session,
         members: Sequence[int] | None,
     ) -> list[Completion]:
-        batch = [requests] if isinstance(requests, GenerateRequest) else list(requests)
+        batch = as_batch(requests, self._check_request)
         sessions = self._sessions(session, len(batch))
-        for request in batch:
-            self._check_request(request)
-        if len({r.request_id for r in batch}) != len(batch):
-            raise InvalidRequest("request_id", "request ids in one batch must be unique")
         if not batch:
             return []
         started = time.perf_counter()
