@@ -128,7 +128,9 @@ async def _open_pool(backend: str, config: EngineConfig, replicas: int) -> Any:
 
     try:
         from rlinfer_ray import EnginePool, PoolConfig
-    except ImportError as exc:
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("rlinfer_ray", "ray"):
+            raise
         raise InvalidRequest("replicas", f"--replicas needs rlinfer-ray installed ({exc})") from None
     return await EnginePool.open(backend, config, pool=PoolConfig(replicas=replicas), load_entry_point_plugins=False)
 
