@@ -31,12 +31,6 @@ WEIGHT_CAPS = (
 )
 
 
-def evolve(caps: Capabilities, drop: Mapping[Capability, str]) -> Capabilities:
-    """``caps`` without ``drop``'s capabilities, each noted with its reason."""
-    notes = {**caps.notes, **{c.value: why for c, why in drop.items()}}
-    return attrs.evolve(caps, supported=caps.supported - set(drop), notes=notes)
-
-
 def server_capabilities(
     base: Capabilities,
     info: Mapping[str, Any],
@@ -66,5 +60,4 @@ def server_capabilities(
             drop[capability] = why
     if base.platform == "cuda" and not info.get("enable_memory_saver", False):
         drop[Capability.MEMORY_RELEASE] = "the server was started without SGLang's memory saver (--enable-memory-saver)"
-    notes = {**base.notes, **SERVER_NOTES}
-    return evolve(attrs.evolve(base, notes=notes), drop)
+    return attrs.evolve(base, notes={**base.notes, **SERVER_NOTES}).without(drop)
