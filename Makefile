@@ -56,7 +56,7 @@ test-sglang-server: env-sglang
 	timeout 2400 $(VENVS)/sglang/bin/rlinfer conformance --backend sglang --report out/conformance-sglang-server.json -- --rlinfer-config mode=server
 	RLINFER_SGLANG_SERVER_TESTS=1 timeout 900 $(VENVS)/sglang/bin/python -m pytest tests/backends/sglang/test_sglang_server_attach.py -q -p no:cacheprovider
 
-# the essential subset for CI (~5 min, not in `make test`): the kit on one server engine
+# the essential subset for CI (~3-5 min, in `make test`): the kit on one server engine
 # (generate, weights, versions, pause, abort, errors), without the extra engines of the fault
 # matrix and the extra architectures
 test-sglang-server-ci: env-sglang
@@ -85,7 +85,7 @@ test-server: env-vllm
 test-wheels:
 	PYTHON=$(PYTHON) bash dev/envs/test_wheels.sh
 
-test: lint typecheck test-core test-wheels test-vllm test-sglang test-ray test-server
+test: lint typecheck test-core test-wheels test-vllm test-sglang test-sglang-server-ci test-ray test-server
 
 # slower checks, not in `make test`: the kit in vLLM server mode alone takes ~15-25 min on 2 shared cores
 thorough: test test-vllm-server test-sglang-server test-ray-sglang
