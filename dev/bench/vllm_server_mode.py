@@ -1,8 +1,10 @@
 """Generate throughput of the vLLM backend in server mode vs in-process (CPU or GPU).
 
 Both engines are open at once on the same model and take turns on the same batches (so the
-machine's background load hits both alike); reports the median tokens/s of each and the ratio,
-plus the server's raw ``/v1/completions`` baseline on the same batches.
+machine's background load hits both alike); reports the median tokens/s of each, their spread,
+the ratio, the server's raw ``/v1/completions`` baseline on the same batches, and the CPU seconds
+each side's processes spent per batch (caller, API server, engine core, worker: where the time
+goes), with the load average before and after.
 
     .venvs/vllm/bin/python dev/bench/vllm_server_mode.py --runs 7 [--model DIR] [--json-out FILE]
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -37,6 +40,25 @@ def make_batch(tag: str, prompts: int, prompt_len: int, max_tokens: int, vocab: 
     ]
 
 
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """User + system CPU seconds of each process so far."""
+    import psutil  # type: ignore[import-untyped,unused-ignore]
+
+    out = {}
+    for role, pid in pids.items():
+        try:
+            t = psutil.Process(pid).cpu_times()
+        except psutil.Error:
+            continue
+        out[role] = t.user + t.system
+    return out
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """Median, min and max."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     from rlinfer_core.engine import AsyncEngine
     from rlinfer_core.tiny_model import make_tiny_model
@@ -50,12 +72,18 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         assert inproc.model_info is not None
         vocab = inproc.model_info.vocab_size
         rates: dict[str, list[float]] = {"inprocess": [], "server": [], "server_raw": []}
+        me = {"caller": os.getpid()}
+        pids = {"inprocess": {**me, **inproc.engine_processes()}, "server": {**me, **server.engine_processes()}}
+        pids["server_raw"] = pids["server"]
+        cpu: dict[str, list[dict[str, float]]] = {side: [] for side in rates}
+        load_before = os.getloadavg()
         for run in range(-1, args.runs):  # run -1 warms every side up
             batch = make_batch(f"r{run}", args.prompts, args.prompt_len, args.max_tokens, vocab, seed=run + 1)
             sides = ["inprocess", "server", "server_raw"]
             if run % 2:
                 sides.reverse()
             for side in sides:
+                before = cpu_seconds(pids[side])
                 started = time.perf_counter()
                 if side == "server_raw":
                     count = await server.bench_raw_generate(batch)
@@ -64,13 +92,23 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     count = sum(len(c.token_ids) for c in await engine.generate(batch))
                 if run >= 0:
                     rates[side].append(count / (time.perf_counter() - started))
+                    after = cpu_seconds(pids[side])
+                    cpu[side].append({r: round(after[r] - before[r], 3) for r in after if r in before})
         med = {side: statistics.median(v) for side, v in rates.items()}
+        cpu_median = {
+            side: {r: statistics.median(run[r] for run in runs) for r in runs[0]} for side, runs in cpu.items() if runs
+        }
         return {
             "model": str(model) if args.model else "tiny random Llama (seed 0)",
             "batch": f"{args.prompts} prompts x {args.max_tokens} tokens, median of {args.runs}",
             "tokens_per_s": med,
+            "spread": {side: spread(v) for side, v in rates.items()},
             "server_over_inprocess": med["server"] / med["inprocess"],
             "server_over_server_raw": med["server"] / med["server_raw"],
+            "server_raw_over_inprocess": med["server_raw"] / med["inprocess"],
+            "cpu_seconds_per_batch_median": cpu_median,
+            "load_average_before_after": [load_before, os.getloadavg()],
+            "cores": os.cpu_count(),
             "runs": rates,
         }
     finally:

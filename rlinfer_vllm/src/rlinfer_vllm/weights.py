@@ -8,7 +8,7 @@ import contextlib
 import logging
 import pickle
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, assert_never
 
@@ -27,6 +27,7 @@ from rlinfer_core.weights import (
     CheckpointDir,
     NamedTensors,
     TensorSpec,
+    WeightSource,
     WeightUpdate,
 )
 from rlinfer_vllm.capabilities import Platform
@@ -92,32 +93,11 @@ class WeightHooks:
     @hookimpl
     async def rlinfer_update_weights(self, update: WeightUpdate) -> None:
         """Hand the (validated) update to the worker, which loads it all-or-nothing."""
-        from rlinfer_core.transfer import ipc
-
-        source = update.source
-        loop = asyncio.get_running_loop()
         try:
             started = time.perf_counter()
-            cuda_buckets = ipc.pack_cuda(source.tensors) if isinstance(source, NamedTensors) else None
-            payload = None
-            if cuda_buckets is None and isinstance(source, NamedTensors):
-                payload = await loop.run_in_executor(None, ipc.dumps, list(source.tensors))
+            prepared = await prepare_source(update.source)
             async with self._paused_for_load():
-                # exhaustive: a new WeightSource type is a mypy error here until it is handled
-                match source:
-                    case NamedTensors() if cuda_buckets is not None:
-                        worker = await self._send_buckets(cuda_buckets)
-                    case NamedTensors():
-                        worker = await self._rpc("rlinfer_load_ipc", payload)
-                    case Buckets():
-                        worker = await self._send_buckets(source.buckets)
-                    case CheckpointDir():
-                        worker = await self._rpc("rlinfer_load_dir", str(Path(source.path).resolve()))
-                    case BroadcastSource():
-                        specs = [(s.name, s.dtype, list(s.shape)) for s in source.specs]
-                        worker = await self._rpc("rlinfer_load_broadcast", specs)
-                    case _:
-                        assert_never(source)
+                worker = await send_source(update.source, prepared, self._rpc)
                 assert self._versions is not None
                 if update.version is not None:
                     self._versions.version = update.version
@@ -131,26 +111,82 @@ class WeightHooks:
         except Exception as exc:
             raise WeightUpdateError(f"vLLM failed to load the update: {exc}") from exc
 
-    async def _send_buckets(self, buckets: Sequence[Bucket]) -> dict[str, float]:
-        from rlinfer_core.transfer import ipc
-
-        manifests = pickle.dumps([b.manifest for b in buckets])
-        pairs = [(str(i), b.data) for i, b in enumerate(buckets)]
-        payload = await asyncio.get_running_loop().run_in_executor(None, ipc.dumps, pairs)
-        timings: dict[str, float] = await self._rpc("rlinfer_load_buckets", manifests, payload)
-        return timings
-
     @hookimpl
     async def rlinfer_weights_checksum(self) -> Mapping[str, WeightChecksum]:
         """Checksums computed in the worker over what its kernels serve (see rlinfer_vllm.served)."""
         self._caps.require(Capability.WEIGHTS_CHECKSUM)
         tied = dict(self._info.tied_weights) if self._info is not None else {}
-        rows = await self._rpc("rlinfer_weights_checksum", tied)
-        return {name: WeightChecksum(dtype, tuple(shape), digest) for name, dtype, shape, digest in rows}
+        return checksums(await self._rpc("rlinfer_weights_checksum", tied))
 
     @hookimpl
     async def rlinfer_init_weight_broadcast(self, group: BroadcastGroup) -> None:
         """Have the worker join the trainer's group (blocks until every rank joined)."""
-        if self.platform == "cpu" and group.backend != "gloo":
-            raise InvalidRequest("backend", "vLLM on CPU joins gloo groups only")
+        check_group(self.platform, group)
         await self._rpc("rlinfer_join_group", attrs.asdict(group))
+
+
+# --- shared with the server-mode backend (rlinfer_vllm.server_mode.weights) -------------------
+
+#: ``rpc(method, *args)``: call ``RLInferWorkerExtension.<method>`` in the worker (bytes as bytes)
+Rpc = Callable[..., Awaitable[Any]]
+
+
+@attrs.frozen
+class Prepared:
+    """What an update needs before the scheduler pauses: CUDA tensors packed into buckets, or
+    host tensors' shared-memory handles (none for the other sources)."""
+
+    cuda_buckets: Sequence[Bucket] | None = None
+    payload: bytes | None = None
+
+
+async def prepare_source(source: WeightSource) -> Prepared:
+    """Pack named tensors for the worker (off the event loop for host tensors)."""
+    from rlinfer_core.transfer import ipc
+
+    if not isinstance(source, NamedTensors):
+        return Prepared()
+    cuda_buckets = ipc.pack_cuda(source.tensors)
+    if cuda_buckets is not None:
+        return Prepared(cuda_buckets=cuda_buckets)
+    payload = await asyncio.get_running_loop().run_in_executor(None, ipc.dumps, list(source.tensors))
+    return Prepared(payload=payload)
+
+
+async def send_source(source: WeightSource, prepared: Prepared, rpc: Rpc) -> Any:
+    """Have the worker load ``source``; its timings."""
+    # exhaustive: a new WeightSource type is a mypy error here until it is handled
+    match source:
+        case NamedTensors() if prepared.cuda_buckets is not None:
+            return await send_buckets(prepared.cuda_buckets, rpc)
+        case NamedTensors():
+            return await rpc("rlinfer_load_ipc", prepared.payload)
+        case Buckets():
+            return await send_buckets(source.buckets, rpc)
+        case CheckpointDir():
+            return await rpc("rlinfer_load_dir", str(Path(source.path).resolve()))
+        case BroadcastSource():
+            return await rpc("rlinfer_load_broadcast", [(s.name, s.dtype, list(s.shape)) for s in source.specs])
+        case _:
+            assert_never(source)
+
+
+async def send_buckets(buckets: Sequence[Bucket], rpc: Rpc) -> Any:
+    """Buckets as their manifests plus shared-memory / CUDA-IPC handles of their data."""
+    from rlinfer_core.transfer import ipc
+
+    manifests = pickle.dumps([b.manifest for b in buckets])
+    pairs = [(str(i), b.data) for i, b in enumerate(buckets)]
+    payload = await asyncio.get_running_loop().run_in_executor(None, ipc.dumps, pairs)
+    return await rpc("rlinfer_load_buckets", manifests, payload)
+
+
+def checksums(rows: Sequence[Sequence[Any]]) -> dict[str, WeightChecksum]:
+    """The worker's ``rlinfer_weights_checksum`` rows as checksums by name."""
+    return {name: WeightChecksum(dtype, tuple(shape), digest) for name, dtype, shape, digest in rows}
+
+
+def check_group(platform: Platform, group: BroadcastGroup) -> None:
+    """InvalidRequest for a group this platform's worker cannot join."""
+    if platform == "cpu" and group.backend != "gloo":
+        raise InvalidRequest("backend", "vLLM on CPU joins gloo groups only")

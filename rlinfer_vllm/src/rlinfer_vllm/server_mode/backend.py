@@ -39,6 +39,7 @@ from rlinfer_vllm.server_mode.caps import server_capabilities
 from rlinfer_vllm.server_mode.http import ServerClient
 from rlinfer_vllm.server_mode.launch import ServerProcess, free_port, server_argv
 from rlinfer_vllm.server_mode.memory import ServerMemoryHooks
+from rlinfer_vllm.server_mode.stream import StreamVersions
 from rlinfer_vllm.server_mode.weights import ServerWeightHooks
 
 #: how long abort() keeps re-aborting requests that the server had not registered yet
@@ -68,6 +69,10 @@ class VllmServerBackend(ServerWeightHooks, ServerMemoryHooks):
         self._implicitly_asleep: set[MemoryTag] = set()
         #: the weight version live on the server (also its weight-version label)
         self.version = 0
+        #: the version the engine may compute with now, and how many switches were resumed
+        #: (see :mod:`rlinfer_vllm.server_mode.stream`)
+        self.serving_version = 0
+        self.switches = 0
         self._dead_pids: list[int] = []
         self._procs_checked_at = 0.0
         self._pause_lock = asyncio.Lock()
@@ -237,7 +242,7 @@ class VllmServerBackend(ServerWeightHooks, ServerMemoryHooks):
         started = time.perf_counter()
         self._inflight.add(request.request_id)
         try:
-            answer = await http.post("/inference/v1/generate", payload)
+            answer = await http.post("/inference/v1/generate", payload, retry=False)
         finally:
             self._inflight.discard(request.request_id)
         done = convert.completions(request, ids, answer, time.perf_counter() - started, self.version)
@@ -247,12 +252,13 @@ class VllmServerBackend(ServerWeightHooks, ServerMemoryHooks):
 
     @hookimpl
     async def rlinfer_generate_stream(self, request: GenerateRequest) -> AsyncIterator[CompletionDelta]:
-        """Server-sent events of ``/inference/v1/generate``; each delta's tokens are stamped with
-        the version live when they arrive (see the README on how exact that is)."""
+        """Server-sent events of ``/inference/v1/generate``; each delta's tokens carry the version
+        that computed them (exact: :mod:`rlinfer_vllm.server_mode.stream`)."""
         http = self._alive()
         ids = await self._prompt_ids(http, request)
         payload = convert.body(request, ids, self._max_len(), stream=True)
         k = request.sampling.logprobs
+        stamps = StreamVersions(self.switches, self.serving_version)
         self._inflight.add(request.request_id)
         try:
             async for chunk in http.stream("/inference/v1/generate", payload):
@@ -260,10 +266,14 @@ class VllmServerBackend(ServerWeightHooks, ServerMemoryHooks):
                 for choice in chunk.get("choices") or ():
                     if choice.get("finish_reason") is not None:
                         self._inflight.discard(request.request_id)
-                    count = len(choice.get("token_ids") or ())
-                    item = convert.delta(request.request_id, choice, k, (self.version,) * count)
-                    for copy in inproc_convert.replicate(request, [item]):
-                        yield copy
+                    for ready, versions in stamps.take(choice, self.switches, self.serving_version):
+                        item = convert.delta(request.request_id, ready, k, versions)
+                        for copy in inproc_convert.replicate(request, [item]):
+                            yield copy
+            for ready, versions in stamps.flush(self.serving_version):
+                item = convert.delta(request.request_id, ready, k, versions)
+                for copy in inproc_convert.replicate(request, [item]):
+                    yield copy
         finally:
             self._inflight.discard(request.request_id)
 
@@ -299,8 +309,16 @@ class VllmServerBackend(ServerWeightHooks, ServerMemoryHooks):
         """``POST /resume``."""
         http = self._alive()
         async with self._pause_lock:
-            await http.post("/resume")
+            await self._send_resume(http)
             self._user_pause = None
+
+    async def _send_resume(self, http: ServerClient) -> None:
+        """``POST /resume``, counting a version switch first if the weights changed while paused
+        (every token computed with the new weights is read after the count changed)."""
+        if self.version != self.serving_version:
+            self.serving_version = self.version
+            self.switches += 1
+        await http.post("/resume")
 
     @hookimpl
     async def rlinfer_reset_prefix_cache(self) -> None:

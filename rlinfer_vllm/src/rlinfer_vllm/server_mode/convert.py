@@ -66,6 +66,10 @@ def sampling(request: GenerateRequest, prompt_len: int, max_model_len: int) -> d
     }
     if s.stop:
         params["stop"] = list(s.stop)
+    else:
+        # ids only: the server's output processor then skips its per-token detokenization (and
+        # the decoding of every logprob's token), which costs more than the rest of the answer
+        params["detokenize"] = False
     if s.stop_token_ids:
         params["stop_token_ids"] = list(s.stop_token_ids)
     if s.prompt_logprobs:

@@ -89,10 +89,10 @@ class ServerClient:
         if self._dead_pids is not None and self._dead_pids():
             return False
         try:
-            response = await self.client.get("/health", timeout=HEALTH_TIMEOUT_S)
+            response = await self._send("GET", "/health", True, timeout=HEALTH_TIMEOUT_S)
         except httpx.HTTPError:
             return False
-        return response.status_code == 200
+        return bool(response.status_code == 200)
 
     async def _dead(self, path: str, exc: BaseException | str) -> EngineDead:
         self.check_processes()
@@ -139,18 +139,37 @@ class ServerClient:
             return bool(self._dead_pids())
         return not await self.healthy()
 
+    async def _send(self, method: str, path: str, retry: bool, **kwargs: Any) -> Any:
+        """One request; a call that may run twice (``retry``) is sent again once when a pooled
+        keep-alive connection turns out closed by the server (uvicorn closes a connection after an
+        exception in the app, e.g. a failed ``/collective_rpc``, without telling the client)."""
+        import httpx
+
+        for attempt in (0, 1):
+            try:
+                return await self.client.request(method, path, **kwargs)
+            except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError):
+                if not retry or attempt:
+                    raise
+        raise AssertionError("unreachable")
+
     async def post(
         self,
         path: str,
         body: Any = None,
         params: Mapping[str, Any] | None = None,
         timeout_s: float | None = None,
+        retry: bool = True,
+        close: bool = False,
     ) -> Any:
-        """POST ``body`` as JSON; the answer's JSON. 4xx raises InvalidRequest."""
+        """POST ``body`` as JSON; the answer's JSON. 4xx raises InvalidRequest. ``retry``: the
+        call may run twice (see :meth:`_send`); ``close``: on a connection of its own (a call
+        that may fail inside the server, which then closes the connection)."""
         self.check_processes()
         timeout = timeout_s if timeout_s is not None else self.timeout_s
+        headers = {"Connection": "close"} if close else None
         try:
-            response = await self.client.post(path, json=body, params=params, timeout=timeout)
+            response = await self._send("POST", path, retry, json=body, params=params, timeout=timeout, headers=headers)
         except Exception as exc:
             raise await self.translate(path, exc) from exc
         result = await self.check(path, response)
@@ -162,7 +181,7 @@ class ServerClient:
         """GET ``path``; the answer's JSON."""
         self.check_processes()
         try:
-            response = await self.client.get(path)
+            response = await self._send("GET", path, True)
         except Exception as exc:
             raise await self.translate(path, exc) from exc
         result = await self.check(path, response)
@@ -172,10 +191,13 @@ class ServerClient:
 
     async def rpc(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
         """Call ``RLInferWorkerExtension.<method>`` in the (first) worker through
-        ``/collective_rpc`` -> ``rlinfer_http``; bytes arguments go as :func:`b64`."""
+        ``/collective_rpc`` -> ``rlinfer_http``; bytes arguments go as :func:`b64`. Sent once (a
+        broadcast load cannot run twice) on a connection of its own."""
         timeout = timeout_s if timeout_s is not None else self.timeout_s
         body = {"method": "rlinfer_http", "args": [method, *args], "timeout": timeout}
-        result = await self.post("/collective_rpc", body, timeout_s=timeout + CONNECT_TIMEOUT_S)
+        result = await self.post(
+            "/collective_rpc", body, timeout_s=timeout + CONNECT_TIMEOUT_S, retry=False, close=True
+        )
         return result["results"][0] if result is not None else None
 
     async def stream(self, path: str, body: Any) -> AsyncIterator[Any]:

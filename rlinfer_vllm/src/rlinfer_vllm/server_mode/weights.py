@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import pickle
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
@@ -22,22 +21,18 @@ from typing import Any
 import attrs
 
 from rlinfer_core.checksum import WeightChecksum
-from rlinfer_core.errors import InvalidRequest, RLInferError, WeightUpdateError
+from rlinfer_core.errors import RLInferError, WeightUpdateError
 from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.model_info import ModelInfo
 from rlinfer_core.types import Capabilities, Capability, EngineConfig, GenerateRequest, PauseMode
 from rlinfer_core.weights import (
     BroadcastGroup,
-    BroadcastSource,
-    Bucket,
-    Buckets,
-    CheckpointDir,
-    NamedTensors,
     TensorSpec,
     WeightUpdate,
 )
 from rlinfer_vllm.capabilities import Platform
 from rlinfer_vllm.server_mode.http import ServerClient, ServerError, b64
+from rlinfer_vllm.weights import check_group, checksums, prepare_source, send_source
 
 logger = logging.getLogger("rlinfer_vllm.server_mode")
 
@@ -55,6 +50,9 @@ class ServerWeightHooks:
     _user_pause: PauseMode | None
 
     def _alive(self) -> ServerClient:
+        raise NotImplementedError
+
+    async def _send_resume(self, http: ServerClient) -> None:
         raise NotImplementedError
 
     async def rlinfer_reset_prefix_cache(self) -> None:
@@ -77,7 +75,7 @@ class ServerWeightHooks:
             finally:
                 # shielded: a cancelled or failed load must not leave the server paused
                 with contextlib.suppress(RLInferError):  # a dead server raises on the next call
-                    await asyncio.shield(http.post("/resume"))
+                    await asyncio.shield(self._send_resume(http))
 
     @hookimpl
     def rlinfer_weight_specs(self) -> Mapping[str, TensorSpec]:
@@ -86,31 +84,17 @@ class ServerWeightHooks:
 
     @hookimpl
     async def rlinfer_update_weights(self, update: WeightUpdate) -> None:
-        """Hand the (validated) update to the worker through the server; all or nothing."""
-        from rlinfer_core.transfer import ipc
-
-        source = update.source
-        loop = asyncio.get_running_loop()
+        """Hand the (validated) update to the worker through the server (as in-process:
+        :func:`rlinfer_vllm.weights.send_source`); all or nothing."""
         try:
             started = time.perf_counter()
-            cuda_buckets = ipc.pack_cuda(source.tensors) if isinstance(source, NamedTensors) else None
-            payload = None
-            if cuda_buckets is None and isinstance(source, NamedTensors):
-                payload = await loop.run_in_executor(None, ipc.dumps, list(source.tensors))
+            prepared = await prepare_source(update.source)
             async with self._paused_for_load() as http:
-                if cuda_buckets is not None:
-                    worker = await self._send_buckets(http, cuda_buckets)
-                elif payload is not None:
-                    worker = await http.rpc("rlinfer_load_ipc", b64(payload))
-                elif isinstance(source, Buckets):
-                    worker = await self._send_buckets(http, source.buckets)
-                elif isinstance(source, CheckpointDir):
-                    worker = await http.rpc("rlinfer_load_dir", str(Path(source.path).resolve()))
-                elif isinstance(source, BroadcastSource):
-                    specs = [(s.name, s.dtype, list(s.shape)) for s in source.specs]
-                    worker = await http.rpc("rlinfer_load_broadcast", specs)
-                else:
-                    raise WeightUpdateError(f"unknown weight source {type(source).__name__}")
+
+                async def rpc(method: str, *args: Any) -> Any:
+                    return await http.rpc(method, *(b64(a) if isinstance(a, bytes) else a for a in args))
+
+                worker = await send_source(update.source, prepared, rpc)
                 if update.version is not None:
                     # the engine core labels the outputs of every later step with this version
                     await http.post("/update_weight_version", {"new_version": str(update.version)})
@@ -123,27 +107,17 @@ class ServerWeightHooks:
         except Exception as exc:
             raise WeightUpdateError(f"vLLM failed to load the update: {exc}") from exc
 
-    async def _send_buckets(self, http: ServerClient, buckets: Sequence[Bucket]) -> Any:
-        from rlinfer_core.transfer import ipc
-
-        manifests = pickle.dumps([b.manifest for b in buckets])
-        pairs = [(str(i), b.data) for i, b in enumerate(buckets)]
-        payload = await asyncio.get_running_loop().run_in_executor(None, ipc.dumps, pairs)
-        return await http.rpc("rlinfer_load_buckets", b64(manifests), b64(payload))
-
     @hookimpl
     async def rlinfer_weights_checksum(self) -> Mapping[str, WeightChecksum]:
         """Checksums computed in the worker over what its kernels serve (as in-process)."""
         self._caps.require(Capability.WEIGHTS_CHECKSUM)
         tied = dict(self._info.tied_weights) if self._info is not None else {}
-        rows = await self._alive().rpc("rlinfer_weights_checksum", tied)
-        return {name: WeightChecksum(dtype, tuple(shape), digest) for name, dtype, shape, digest in rows}
+        return checksums(await self._alive().rpc("rlinfer_weights_checksum", tied))
 
     @hookimpl
     async def rlinfer_init_weight_broadcast(self, group: BroadcastGroup) -> None:
         """Have the worker join the trainer's group (the call returns once every rank joined)."""
-        if self.platform == "cpu" and group.backend != "gloo":
-            raise InvalidRequest("backend", "vLLM on CPU joins gloo groups only")
+        check_group(self.platform, group)
         try:
             await self._alive().rpc("rlinfer_join_group", attrs.asdict(group))
         except ServerError as exc:
@@ -171,7 +145,7 @@ class ServerWeightHooks:
                 "logprobs": s.logprobs,
                 "return_token_ids": True,
             }
-            answer = await http.post("/v1/completions", body)
+            answer = await http.post("/v1/completions", body, retry=False)
             copies = s.n if s.greedy else 1  # greedy n>1 is one sample, replicated
             return copies * sum(len(c.get("token_ids") or ()) for c in answer["choices"])
 
@@ -186,5 +160,7 @@ class ServerWeightHooks:
         await http.post(
             "/collective_rpc",
             {"method": "reload_weights", "kwargs": {"weights_path": resolved}, "timeout": timeout},
+            retry=False,
+            close=True,
         )
         await http.rpc("rlinfer_shadow_from_dir", resolved)
