@@ -245,8 +245,10 @@ def test_shutdown_leaves_no_child_processes(engine: Engine, sibling: subprocess.
     engine.shutdown()  # idempotent
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in all_pids)
     children = [p for p in psutil.Process().children(recursive=True) if p.pid not in BEFORE]
-    left = [
-        p.pid for p in children if p.status() == psutil.STATUS_ZOMBIE or "resource_tracker" not in " ".join(p.cmdline())
-    ]
-    assert left == []
+    left = {
+        p.pid: (p.status(), p.cmdline()[:4])
+        for p in children
+        if p.status() == psutil.STATUS_ZOMBIE or "resource_tracker" not in " ".join(p.cmdline())
+    }
+    assert left == {}
     assert sibling.poll() is None, "shutdown kills only the engine's processes"
