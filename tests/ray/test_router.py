@@ -1,4 +1,4 @@
-"""The router's policies, on their own (no Ray)."""
+"""The router's policies, and the replica's engine config, on their own (no Ray)."""
 
 from __future__ import annotations
 
@@ -39,3 +39,15 @@ def test_hot_session_cannot_pin_a_group() -> None:
 def test_session_without_key_falls_back_to_least_outstanding() -> None:
     router = Router(RouterPolicy.SESSION)
     assert router.pick([0, 1], {0: 4, 1: 0}, 1, None) == 1
+
+
+def test_tensor_parallel_replicas_keep_vllm_off_its_ray_executor() -> None:
+    from rlinfer_core.types import EngineConfig
+    from rlinfer_ray.replica import replica_config
+
+    tp2 = EngineConfig(model="m", tensor_parallel_size=2)
+    assert replica_config("vllm", tp2).engine_kwargs == {"distributed_executor_backend": "mp"}
+    mine = EngineConfig(model="m", tensor_parallel_size=2, engine_kwargs={"distributed_executor_backend": "ray"})
+    assert replica_config("vllm", mine) == mine, "the caller's choice stands"
+    assert replica_config("vllm", EngineConfig(model="m")).engine_kwargs == {}
+    assert replica_config("sglang", tp2) == tp2

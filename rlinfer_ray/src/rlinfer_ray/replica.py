@@ -15,6 +15,8 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
+import attrs
+
 from rlinfer_core import errors
 from rlinfer_core.types import EngineConfig, GenerateRequest
 
@@ -24,6 +26,22 @@ Reply = tuple[str, Any]
 ABORT_SETTLE_S = 2.0
 #: attributes of an rlinfer error that are carried along with its message
 _ERROR_ATTRS = ("field", "problems", "capability", "backend", "reason")
+#: engine_kwargs a replica's engine gets for tensor_parallel_size > 1 unless the caller set them.
+#: vLLM picks its Ray executor when it starts inside a Ray placement group (a replica does):
+#: that executor would place the TP workers as new actors in the replica's own bundle, whose GPUs
+#: the replica already holds. Its multiprocessing executor runs them on the GPUs Ray gave the
+#: replica (CUDA_VISIBLE_DEVICES), as a single engine would.
+TP_ENGINE_KWARGS: Mapping[str, Mapping[str, Any]] = {"vllm": {"distributed_executor_backend": "mp"}}
+
+
+def replica_config(backend: str, config: EngineConfig) -> EngineConfig:
+    """``config`` with :data:`TP_ENGINE_KWARGS` filled in where they apply."""
+    if config.tensor_parallel_size <= 1:
+        return config
+    missing = {k: v for k, v in TP_ENGINE_KWARGS.get(backend, {}).items() if k not in config.engine_kwargs}
+    if not missing:
+        return config
+    return attrs.evolve(config, engine_kwargs={**config.engine_kwargs, **missing})
 
 
 def pack_error(exc: BaseException) -> dict[str, Any]:
@@ -68,7 +86,9 @@ class ReplicaActor:
         from rlinfer_core.engine import AsyncEngine
 
         try:
-            self.engine = await AsyncEngine.open(backend, config, load_entry_point_plugins=False)
+            self.engine = await AsyncEngine.open(
+                backend, replica_config(backend, config), load_entry_point_plugins=False
+            )
             return (
                 "ok",
                 {
