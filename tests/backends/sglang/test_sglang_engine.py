@@ -217,6 +217,41 @@ def test_bench_hooks(engine: Engine, models: tuple[Path, Path]) -> None:
     assert list(c.token_ids) == _hf_greedy(models[0], prompt, 8)
 
 
+def _hf_logprobs(model_dir: Path, prompt: list[int], tokens: list[int]) -> list[float]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logits = hf(ids).logits[0, len(prompt) - 1 : -1]
+    picked = torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(tokens).unsqueeze(-1))
+    return [float(x) for x in picked.squeeze(-1)]
+
+
+def test_reset_prefix_cache_drops_stale_kv(engine: Engine, models: tuple[Path, Path]) -> None:
+    """The kit cannot tell a no-op reset on SGLang (its own disk reload flushes the cache): here
+    the second model is loaded by the scheduler-side loader without a flush, so the cached prefix
+    is stale until reset_prefix_cache() drops it."""
+    backend: Any = _backend(engine)
+    prompt = [1, *((37 * j) % 300 + 16 for j in range(300))]
+    engine.generate(_greedy(prompt, 6, ignore_eos=True))  # the prompt's KV (first model) is now cached
+    engine._run(backend._scheduler_op({"op": "disk", "path": str(models[1].resolve())}, flush=False))
+
+    def gap_to_second_model() -> tuple[list[int], float]:
+        (c,) = engine.generate(_greedy(prompt, 6, ignore_eos=True))
+        tokens = list(c.token_ids)
+        want = _hf_logprobs(models[1], prompt, tokens)
+        return tokens, max(abs(a - b) for a, b in zip(c.logprobs, want, strict=True))
+
+    _, stale = gap_to_second_model()
+    assert stale > 1e-3, "premise: the cache served the first model's KV after the unflushed load"
+    engine.reset_prefix_cache()
+    tokens, fresh = gap_to_second_model()
+    assert fresh < 1e-4, f"after reset_prefix_cache the KV is still stale (max |dlogprob| {fresh:.2e})"
+    assert tokens == _hf_greedy(models[1], prompt, 6)
+    engine.update_weights(_disk(models[0]))  # the other tests start from the first model
+
+
 def test_scheduler_death_raises_engine_dead(engine: Engine, sibling: subprocess.Popen[bytes]) -> None:
     backend = _backend(engine)
     scheduler = next(p for p in backend.engine_processes() if psutil.Process(p).name() == "sglang::scheduler")  # type: ignore[attr-defined]
