@@ -26,7 +26,7 @@ import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, assert_never
 
 import attrs
 
@@ -177,19 +177,22 @@ class ServerWeights(InFlight):
 
         source = update.source
         cuda_buckets = ipc.pack_cuda(source.tensors) if isinstance(source, NamedTensors) else None
-        if cuda_buckets is not None:
-            return await self._send_buckets(cuda_buckets)
-        if isinstance(source, NamedTensors):
-            return await self._scheduler_op({"op": "tensors"}, list(source.tensors), flush=True)
-        if isinstance(source, Buckets):
-            return await self._send_buckets(source.buckets)
-        if isinstance(source, CheckpointDir):
-            return await self._scheduler_op({"op": "disk", "path": str(Path(source.path).resolve())}, flush=True)
-        if isinstance(source, BroadcastSource):
-            specs = [(s.name, s.dtype, list(s.shape)) for s in source.specs]
-            control = {"op": "broadcast", "group_name": self._group_name, "specs": specs}
-            return await self._scheduler_op(control, flush=True)
-        raise WeightUpdateError(f"unknown weight source {type(source).__name__}")
+        # exhaustive: a new WeightSource type is a mypy error here until it is handled
+        match source:
+            case NamedTensors() if cuda_buckets is not None:
+                return await self._send_buckets(cuda_buckets)
+            case NamedTensors():
+                return await self._scheduler_op({"op": "tensors"}, list(source.tensors), flush=True)
+            case Buckets():
+                return await self._send_buckets(source.buckets)
+            case CheckpointDir():
+                return await self._scheduler_op({"op": "disk", "path": str(Path(source.path).resolve())}, flush=True)
+            case BroadcastSource():
+                specs = [(s.name, s.dtype, list(s.shape)) for s in source.specs]
+                control = {"op": "broadcast", "group_name": self._group_name, "specs": specs}
+                return await self._scheduler_op(control, flush=True)
+            case _:
+                assert_never(source)
 
     async def _send_buckets(self, buckets: Sequence[Bucket]) -> dict[str, Any]:
         manifests = [attrs.asdict(b.manifest) for b in buckets]
