@@ -9,8 +9,8 @@ name="$1"
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 venv="$root/.venvs/$name"
 python="${PYTHON:-python3.11}"
-req="$root/envs/$name.txt"
-[[ -f "$req" ]] || req="$root/envs/$name-cpu.txt"
+req="$root/dev/envs/$name.txt"
+[[ -f "$req" ]] || req="$root/dev/envs/$name-cpu.txt"
 
 echo ">>> building $venv from $(basename "$req")"
 rm -f "$venv/.built"
@@ -19,10 +19,10 @@ pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
 "${pip[@]}" --upgrade "pip>=24" wheel
 # The CPU build of torch 2.13.0 lies in the machine's wheel folder; pin it first so that no
 # later resolution pulls a CUDA build from the registry.
-"${pip[@]}" -c "$root/envs/constraints-cpu.txt" "torch==2.13.0"
-"${pip[@]}" -c "$root/envs/constraints-cpu.txt" -r "$req"
-if [[ -f "$root/envs/post_$name.sh" ]]; then
-  VENV="$venv" ROOT="$root" bash "$root/envs/post_$name.sh"
+"${pip[@]}" -c "$root/dev/envs/constraints-cpu.txt" "torch==2.13.0"
+"${pip[@]}" -c "$root/dev/envs/constraints-cpu.txt" -r "$req"
+if [[ -f "$root/dev/envs/post_$name.sh" ]]; then
+  VENV="$venv" ROOT="$root" bash "$root/dev/envs/post_$name.sh"
 fi
 editables=(-e "$root/rlinfer_core" -e "$root/rlinfer_demo" -e "$root/conformance" -e "$root/rlinfer_server")
 case "$name" in
@@ -31,7 +31,7 @@ case "$name" in
 esac
 "${pip[@]}" --no-deps "${editables[@]}"
 # Dependencies of the rlinfer packages themselves (light, pure Python), under the same pins.
-"${pip[@]}" -c "$root/envs/constraints-cpu.txt" -r "$root/envs/rlinfer-deps.txt"
+"${pip[@]}" -c "$root/dev/envs/constraints-cpu.txt" -r "$root/dev/envs/rlinfer-deps.txt"
 "$venv/bin/python" -c "import torch, rlinfer_core; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 touch "$venv/.built"
 echo ">>> $venv ready"

@@ -13,8 +13,8 @@ pip=("$py" -m pip install --quiet --disable-pip-version-check)
 "${pip[@]}" --no-deps "sglang==0.5.23"
 # CUDA-only packages must never sit in this env (e.g. left by an older recipe).
 "$py" -m pip uninstall --quiet -y sglang-kernel flashinfer-python torchaudio torchcodec 2>/dev/null || true
-"${pip[@]}" --no-deps --force-reinstall "$ROOT/envs/cpu_support/sgl_kernel_cpu_shim"
-"$py" "$ROOT/envs/cpu_support/torchvision_guard.py"
+"${pip[@]}" --no-deps --force-reinstall "$ROOT/dev/envs/cpu_support/sgl_kernel_cpu_shim"
+"$py" "$ROOT/dev/envs/cpu_support/torchvision_guard.py"
 # Smoke check: the engine module imports on the CPU path.
 SGLANG_USE_CPU_ENGINE=1 OMP_NUM_THREADS=1 "$py" -c "
 import torchvision, transformers, sgl_kernel
