@@ -106,7 +106,12 @@ class Engine:
                 except StopAsyncIteration:
                     return
         finally:
-            self._run(iterator.aclose())
+            if threading.current_thread() is self._thread:
+                # an abandoned iterator finalized by the garbage collector on the loop's own
+                # thread: waiting for the loop here would deadlock it, so close it as a task
+                self._loop.create_task(iterator.aclose())
+            else:
+                self._run(iterator.aclose())
 
     def abort(self, request_ids: Sequence[str] | str | None = None) -> None:
         """See :meth:`AsyncEngine.abort`."""
