@@ -69,7 +69,9 @@ class AgentConfig:
     lr: float = 3e-3
     seed: int = 0
     temperature: float = 1.0
-    parity_tolerance: float = 1e-5
+    #: looser than the single-turn demo's 1e-5 (the kit's, for short sequences): multi-turn
+    #: episodes accumulate float32 kernel differences (vLLM CPU vs torch), measured up to 2.0e-5
+    parity_tolerance: float = 1e-4
 
 
 @attrs.frozen
