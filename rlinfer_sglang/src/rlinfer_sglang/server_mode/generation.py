@@ -19,6 +19,7 @@ import attrs
 
 from rlinfer_core.errors import InvalidRequest, RLInferError
 from rlinfer_core.hookspecs import hookimpl
+from rlinfer_core.merge import merge
 from rlinfer_core.types import Completion, CompletionDelta, FinishReason, GenerateRequest, LogprobsMode
 from rlinfer_sglang import convert
 from rlinfer_sglang.agent import openai_tools
@@ -159,32 +160,11 @@ class Generation(InFlight):
         """Stream deltas of every sample (SGLang streams cumulative outputs; deltas are cut here)."""
         self._alive()
         ids = self._prompt_ids(request)
-        queue: asyncio.Queue[CompletionDelta | BaseException | None] = asyncio.Queue()
-
-        async def one(index: int) -> None:
-            try:
-                async for d in self._stream_sample(request, index, ids):
-                    queue.put_nowait(d)
-            except BaseException as exc:
-                queue.put_nowait(exc)
-            finally:
-                queue.put_nowait(None)
-
-        tasks = [asyncio.ensure_future(one(i)) for i in range(request.sampling.n)]
-        pending = len(tasks)
+        samples = [self._stream_sample(request, i, ids) for i in range(request.sampling.n)]
         try:
-            while pending:
-                item = await queue.get()
-                if item is None:
-                    pending -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield item
+            async for delta in merge(samples):
+                yield delta
         finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
             self._aborted.discard(request.request_id)
 
     async def _stream_sample(
