@@ -83,6 +83,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             if run % 2:
                 sides.reverse()
             for side in sides:
+                # vLLM's engine core and worker spin-wait for ~1 s after their last step
+                # (shm_broadcast.SpinCondition); on a few cores that would slow the next side
+                await asyncio.sleep(args.settle_s)
                 before = cpu_seconds(pids[side])
                 started = time.perf_counter()
                 if side == "server_raw":
@@ -101,6 +104,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         return {
             "model": str(model) if args.model else "tiny random Llama (seed 0)",
             "batch": f"{args.prompts} prompts x {args.max_tokens} tokens, median of {args.runs}",
+            "settle_s": args.settle_s,
             "tokens_per_s": med,
             "spread": {side: spread(v) for side, v in rates.items()},
             "server_over_inprocess": med["server"] / med["inprocess"],
@@ -125,6 +129,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--settle-s", type=float, default=1.5, help="idle time before each side's batch")
     parser.add_argument("--json-out")
     args = parser.parse_args()
     result = asyncio.run(run(args))
