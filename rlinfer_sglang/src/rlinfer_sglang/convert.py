@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
+
+import attrs
 
 from rlinfer_core.types import Completion, CompletionDelta, FinishReason, GenerateRequest, LogprobsMode
 from rlinfer_sglang.agent import structured_params
@@ -243,3 +246,30 @@ def delta(
         ),
         len(tokens),
     )
+
+
+#: scores ``(prompt ids, completion ids, first scored index, top-k)`` -> (raw logprobs, top logprobs)
+RawScores = tuple[tuple[float, ...], tuple[dict[int, float], ...]]
+RawScorer = Callable[[list[int], list[int], int, int], Awaitable[RawScores]]
+
+
+async def with_raw_logprobs(
+    samples: Sequence[tuple[GenerateRequest, int, list[int]]], completions: list[Completion], score: RawScorer
+) -> list[Completion]:
+    """Replace the logprobs of raw-mode completions by ``score``'s raw ones (all at once); shared
+    by the in-process and the server-mode backend."""
+    raw = [
+        k
+        for k, ((r, _, _), c) in enumerate(zip(samples, completions, strict=True))
+        if r.sampling.logprobs_mode is LogprobsMode.RAW and c.token_ids
+    ]
+    if not raw:
+        return completions
+    scored = await asyncio.gather(
+        *(score(samples[k][2], list(completions[k].token_ids), 0, samples[k][0].sampling.logprobs) for k in raw)
+    )
+    out = list(completions)
+    for k, (lps, top) in zip(raw, scored, strict=True):
+        tops = top if samples[k][0].sampling.logprobs else out[k].top_logprobs
+        out[k] = attrs.evolve(out[k], logprobs=lps, top_logprobs=tops)
+    return out

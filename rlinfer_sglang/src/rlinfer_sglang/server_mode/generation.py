@@ -107,30 +107,7 @@ class Generation(InFlight):
             completions.append(c)
         for rid in rids:
             self._versions.forget(rid)
-        return await self._with_raw_logprobs(samples, completions)
-
-    async def _with_raw_logprobs(
-        self, samples: list[tuple[GenerateRequest, int, list[int]]], completions: list[Completion]
-    ) -> list[Completion]:
-        """Replace the logprobs of raw-mode completions by scored raw ones (all at once)."""
-        raw = [
-            k
-            for k, ((r, _, _), c) in enumerate(zip(samples, completions, strict=True))
-            if r.sampling.logprobs_mode is LogprobsMode.RAW and c.token_ids
-        ]
-        if not raw:
-            return completions
-        scored = await asyncio.gather(
-            *(
-                self._raw_logprobs(samples[k][2], list(completions[k].token_ids), 0, samples[k][0].sampling.logprobs)
-                for k in raw
-            )
-        )
-        out = list(completions)
-        for k, (lps, top) in zip(raw, scored, strict=True):
-            tops = top if samples[k][0].sampling.logprobs else out[k].top_logprobs
-            out[k] = attrs.evolve(out[k], logprobs=lps, top_logprobs=tops)
-        return out
+        return await convert.with_raw_logprobs(samples, completions, self._raw_logprobs)
 
     async def _raw_logprobs(
         self, prompt: list[int], tokens: list[int], start: int, top: int
