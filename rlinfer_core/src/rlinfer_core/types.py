@@ -74,6 +74,14 @@ class Capability(enum.StrEnum):
     WEIGHTS_BROADCAST = "weights.broadcast"  #: torch.distributed broadcast group
     WEIGHTS_CHECKSUM = "weights.checksum"  #: the engine reports checksums of what it serves
     MEMORY_RELEASE = "memory.release"  #: release_memory really frees accelerator memory
+    #: release_memory(discard_weights=True): weights are dropped without a host backup and the
+    #: next full update_weights refills them (generate is refused until then)
+    MEMORY_DISCARD_WEIGHTS = "memory.discard_weights"
+    #: update_weights(WeightDelta): only the tensors that changed since a given base version
+    WEIGHTS_DELTA = "weights.delta"
+    #: EngineConfig.deterministic: bitwise-identical tokens and logprobs run to run and across
+    #: batch compositions (the engines' batch-invariant / deterministic modes)
+    DETERMINISTIC = "generate.deterministic"
     PREFIX_CACHE_RESET = "prefix_cache.reset"
     SAMPLING_MIN_P = "sampling.min_p"
     SAMPLING_PENALTIES = "sampling.penalties"  #: repetition, presence and frequency penalties
@@ -448,6 +456,10 @@ class EngineConfig:
     #: SGLang memory saver); only honoured where Capability.MEMORY_RELEASE is supported
     enable_memory_release: bool = False
     enforce_eager: bool = False
+    #: start the engine in its deterministic, batch-invariant mode (vLLM VLLM_BATCH_INVARIANT=1,
+    #: SGLang --enable-deterministic-inference); refused where Capability.DETERMINISTIC is not
+    #: supported
+    deterministic: bool = False
     request_timeout_s: float = attrs.field(default=300.0, validator=v.in_range(0.0, 86400.0, low_open=True))
     startup_timeout_s: float = attrs.field(default=900.0, validator=v.in_range(0.0, 86400.0, low_open=True))
     engine_kwargs: Mapping[str, Any] = attrs.field(factory=dict)
