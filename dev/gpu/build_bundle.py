@@ -14,7 +14,8 @@ The device image (Python 3.12, torch 2.11.0+cu130) has no network and no vllm/sg
    part) plus ``<engine>/MANIFEST.json`` (every wheel's sha256 and its pieces).
 
 ``dev/gpu/stage.sh`` and ``dev/gpu/install.sh`` reassemble and install them on the device; docs/gpu.md
-says which ``run`` calls carry which part. Run: ``python3 dev/gpu/build_bundle.py [vllm] [sglang]``.
+says which ``run`` calls carry which part. Run: ``python3 dev/gpu/build_bundle.py [vllm] [sglang] [ray]``
+(all three without arguments; naming one rebuilds only its parts, the others' stay as they are).
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ TARGET_ARGS = [
 
 # Pure-Python needs of the rlinfer packages themselves that the image lacks.
 RLINFER_EXTRA = ["cattrs>=24.1"]
+
+# The Ray of the CPU venvs (rlinfer_ray's pyproject needs ray>=2.40); it has cp312 wheels.
+RAY_PIN = "ray==2.60.0"
 
 # Not needed to start an engine and generate on Hopper (ENGINES.md, verified on an H100), and big.
 COMMON_DROP = {
@@ -131,6 +135,30 @@ RECIPES = {
                     "sgl_kernel/flash_ops*",  # FA3 (1.1 GB unpacked); only the fa3 attention backend imports it
                     "sgl_kernel/sm100/*",
                     "sgl_kernel/*infllm_ops*",
+                ),
+            ),
+        ],
+    ),
+    # Ray for rlinfer-ray's EnginePool (the image has none). Its own site dir (/tmp/ray_site),
+    # next to either engine's. A local ``ray.init(include_dashboard=False)`` + actors + placement
+    # groups need ray/_raylet.so, ray/core (gcs_server, raylet), ray/_private (incl. the runtime-env
+    # agent and its vendored aiohttp), ray/dashboard's Python (the per-node dashboard agent the
+    # raylet starts), ray/util, ray/thirdparty_files; not the Java worker or the AI libraries.
+    "ray": EngineRecipe(
+        name="ray",
+        requirements=[RAY_PIN],
+        prune=[
+            Prune(
+                "ray",
+                (
+                    "ray/jars/*",  # the Java worker (30.7 MiB compressed)
+                    "ray/rllib/*",
+                    "ray/data/*",
+                    "ray/serve/*",
+                    "ray/tune/*",
+                    "ray/train/*",
+                    "ray/llm/*",
+                    "ray/dashboard/client/build/*",  # the web UI's assets (the dashboard is off)
                 ),
             ),
         ],
