@@ -43,7 +43,12 @@ SPECS = {
     "w": TensorSpec("w", "float32", (2, 2)),
     "b": TensorSpec("b", "float32", (2,)),
 }
-DEFAULT_SUPPORTED = frozenset(Capability) - {Capability.MEMORY_RELEASE, Capability.CHAT, Capability.WEIGHTS_CHECKSUM}
+DEFAULT_SUPPORTED = frozenset(Capability) - {
+    Capability.MEMORY_RELEASE,
+    Capability.MEMORY_DISCARD_WEIGHTS,
+    Capability.CHAT,
+    Capability.WEIGHTS_CHECKSUM,
+}
 
 #: every double built by the factory, newest last (tests read the one their engine uses)
 INSTANCES: list[RecordingDoubleBackend] = []
@@ -73,7 +78,8 @@ class RecordingDoubleBackend:
 
     @hookimpl
     def rlinfer_capabilities(self) -> Capabilities:
-        return Capabilities("double", "0.0", "cpu", self.supported, {"memory.release": "the double holds no memory"})
+        notes = {"memory.release": "the double holds no memory", "memory.discard_weights": "no memory to discard"}
+        return Capabilities("double", "0.0", "cpu", self.supported, notes)
 
     @hookimpl
     def rlinfer_model_info(self) -> ModelInfo:
@@ -143,8 +149,8 @@ class RecordingDoubleBackend:
         self.calls.append(("init_weight_broadcast", group))
 
     @hookimpl
-    async def rlinfer_release_memory(self, tags: frozenset[MemoryTag]) -> None:
-        self.calls.append(("release_memory", tags))
+    async def rlinfer_release_memory(self, tags: frozenset[MemoryTag], discard_weights: bool = False) -> None:
+        self.calls.append(("release_memory", (tags, discard_weights) if discard_weights else tags))
 
     @hookimpl
     async def rlinfer_resume_memory(self, tags: frozenset[MemoryTag]) -> None:

@@ -8,6 +8,8 @@ Derived capabilities (decided here, applied by the facade and by ``rlinfer backe
   not the backend: :class:`~rlinfer_core.session.AsyncSession` reports their absence.)
 * ``score`` is built on ``generate.prompt_logprobs`` (:mod:`rlinfer_core.scoring`) and added
   exactly where the backend claims that.
+* ``weights.delta`` is built on ``weights.tensors`` (the facade checks the delta's base version
+  and loads its tensors as a partial named-tensor update) and added exactly where that is claimed.
 
 A backend may also claim them itself; a backend cannot refuse them except by not claiming what
 they are built on.
@@ -34,6 +36,11 @@ DERIVED: dict[Capability, tuple[Capability | None, str]] = {
         Capability.PROMPT_LOGPROBS,
         "built by the facade on generate.prompt_logprobs (rlinfer_core.scoring); raw logprobs",
     ),
+    Capability.WEIGHTS_DELTA: (
+        Capability.WEIGHTS_TENSORS,
+        "built by the facade on weights.tensors: base_version checked, the changed tensors loaded as a "
+        "partial named-tensor update (rlinfer_core.delta finds them on the trainer side)",
+    ),
 }
 
 
@@ -42,9 +49,14 @@ def derive_capabilities(caps: Capabilities) -> Capabilities:
     added = {
         c for c, (base, _) in DERIVED.items() if c not in caps.supported and (base is None or base in caps.supported)
     }
-    if not added:
+    lacking = {
+        c.value: f"built by the facade on {base.value}, which this backend does not support here"
+        for c, (base, _) in DERIVED.items()
+        if c not in caps.supported and base is not None and base not in caps.supported and c.value not in caps.notes
+    }
+    if not added and not lacking:
         return caps
-    notes = dict(caps.notes)
+    notes = {**caps.notes, **lacking}
     for c in added:
         notes.setdefault(c.value, DERIVED[c][1])
     return attrs.evolve(caps, supported=caps.supported | added, notes=notes)

@@ -138,8 +138,9 @@ class ChecksumBackend(Protocol):
 class MemoryBackend(Protocol):
     """:attr:`Capability.MEMORY_RELEASE`."""
 
-    def rlinfer_release_memory(self, tags: frozenset[MemoryTag]) -> Awaitable[None]:
-        """Free accelerator memory for ``tags``."""
+    def rlinfer_release_memory(self, tags: frozenset[MemoryTag], discard_weights: bool = False) -> Awaitable[None]:
+        """Free accelerator memory for ``tags``; ``discard_weights``: without a host backup of the
+        weights (:attr:`Capability.MEMORY_DISCARD_WEIGHTS`)."""
         ...
 
     def rlinfer_resume_memory(self, tags: frozenset[MemoryTag]) -> Awaitable[None]:

@@ -4,39 +4,88 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, assert_never
 
 import attrs
 
 from rlinfer_core.backend import present
 from rlinfer_core.checksum import WeightChecksum, WeightVerification
 from rlinfer_core.engine_base import EngineBase
-from rlinfer_core.errors import EngineDead, EngineTimeout, InvalidRequest, WeightUpdateError
+from rlinfer_core.errors import EngineDead, EngineTimeout, InvalidRequest, WeightsNotLoaded, WeightUpdateError
 from rlinfer_core.preflight import as_memory_tags, as_weight_update, transport_name, update_target
 from rlinfer_core.types import Capability, GenerateRequest, MemoryTag
-from rlinfer_core.weights import BroadcastGroup, WeightSource, WeightUpdate
+from rlinfer_core.weights import (
+    BroadcastGroup,
+    BroadcastSource,
+    Buckets,
+    CheckpointDir,
+    NamedTensors,
+    WeightDelta,
+    WeightSource,
+    WeightUpdate,
+)
+
+DISCARDED = (
+    "the weights were released with discard_weights=True and hold no valid values; load a full "
+    "update_weights (every name of weight_specs) before generating"
+)
+
+
+def source_names(source: WeightSource) -> list[str]:
+    """The tensor names a weight source carries (a checkpoint directory's from its headers)."""
+    match source:
+        case NamedTensors():
+            return [name for name, _ in source.tensors]
+        case Buckets():
+            return [e.name for b in source.buckets for e in b.manifest.entries]
+        case CheckpointDir():
+            from rlinfer_core.transfer.disk import read_specs
+
+            return list(read_specs(source.path))
+        case BroadcastSource():
+            return [s.name for s in source.specs]
+        case _:
+            assert_never(source)
 
 
 class EngineWeights(EngineBase):
     """Weight sync, integrity checks, prefix cache, memory release and bench baselines."""
 
+    #: set by release_memory(discard_weights=True), cleared by the next (full) weight update
+    _discarded: bool = False
+
     # --- weight sync ---------------------------------------------------------------------------
 
     async def update_weights(
-        self, update: WeightUpdate | WeightSource | Mapping[str, Any], *, version: int | None = None
+        self,
+        update: WeightUpdate | WeightSource | WeightDelta | Mapping[str, Any],
+        *,
+        version: int | None = None,
     ) -> int:
         """Load new weights, all or nothing; return the new weight version.
 
-        Accepts a WeightUpdate, a bare source, or a ``{name: tensor}`` mapping. Everything is
-        validated against :attr:`weight_specs` before the engine is touched; on any failure
-        WeightUpdateError is raised and the previous weights and version keep serving.
+        Accepts a WeightUpdate, a bare source, a ``{name: tensor}`` mapping, or a
+        :class:`~rlinfer_core.weights.WeightDelta` (capability ``weights.delta``: loaded only when
+        the engine serves its ``base_version``). Everything is validated against
+        :attr:`weight_specs` before the engine is touched; on any failure WeightUpdateError is
+        raised and the previous weights and version keep serving. After
+        ``release_memory(discard_weights=True)`` only a full update (every name of
+        :attr:`weight_specs`) is accepted.
         """
         self._ensure_open()
-        update = as_weight_update(update, version)
-        transport = transport_name(update.source)
+        base: int | None = None
+        if isinstance(update, WeightDelta):
+            self.capabilities.require(Capability.WEIGHTS_DELTA)
+            base = update.base_version
+            update = WeightUpdate(NamedTensors(update.tensors), version=version)
+            transport = "delta"
+        else:
+            update = as_weight_update(update, version)
+            transport = transport_name(update.source)
         async with self._weight_lock:
             try:
                 target = update_target(update, self._version, self.capabilities, self._released)
+                self._check_refill(update.source, base)
                 from rlinfer_core.transfer.validate import validate_source
 
                 nbytes = validate_source(update.source, self.weight_specs)
@@ -53,6 +102,7 @@ class EngineWeights(EngineBase):
                     await self._raise_if_dead(exc)
                     raise WeightUpdateError(f"backend {self.backend_name!r} failed to load the update: {exc}") from exc
                 self._version = target
+                self._discarded = False
                 await self._reset_prefix_cache()
             except Exception as exc:
                 self._observers.emit(
@@ -68,6 +118,46 @@ class EngineWeights(EngineBase):
             seconds=time.perf_counter() - started,
         )
         return target
+
+    def _check_refill(self, source: WeightSource, base: int | None) -> None:
+        """Refuse a delta for another base version, and anything but a full update while the
+        weights are discarded."""
+        if self._discarded:
+            if base is not None:
+                raise WeightUpdateError(
+                    "a delta cannot be applied: the weights were released with discard_weights=True and "
+                    "hold nothing it could apply to; send a full update (every name of weight_specs)"
+                )
+            missing = sorted(self._uncovered(source_names(source)))
+            if missing:
+                raise WeightUpdateError(
+                    f"the weights were released with discard_weights=True: only a full update refills them, "
+                    f"and this one lacks {len(missing)} of the {len(self.weight_specs)} tensors of weight_specs",
+                    tuple(f"{name}: missing" for name in missing),
+                )
+        elif base is not None and base != self._version:
+            raise WeightUpdateError(
+                f"delta for base_version {base}, but the engine serves weight_version {self._version}; "
+                f"send a delta against version {self._version} or a full update"
+            )
+
+    def _uncovered(self, names: Iterable[str]) -> set[str]:
+        """Names of weight_specs that ``names`` leave unset (a tied head counts as set by the
+        tensor it is tied to)."""
+        have = set(names)
+        tied = self.model_info.tied_weights if self.model_info is not None else {}
+        return {n for n in self.weight_specs if n not in have and tied.get(n) not in have}
+
+    @property
+    def weights_discarded(self) -> bool:
+        """True between ``release_memory(discard_weights=True)`` and the next full update: the
+        engine holds no valid weights and refuses generation (WeightsNotLoaded)."""
+        return self._discarded
+
+    def _validate_request(self, request: GenerateRequest) -> None:
+        super()._validate_request(request)
+        if self._discarded:
+            raise WeightsNotLoaded(DISCARDED)
 
     @property
     def broadcast_ranks(self) -> int:
@@ -100,6 +190,8 @@ class EngineWeights(EngineBase):
         impl = present(self._checksum_impl, "rlinfer_weights_checksum", self.backend_name)
         if MemoryTag.WEIGHTS in self._released:
             raise InvalidRequest("engine_state", "weights are released; call resume_memory(['weights']) first")
+        if self._discarded:
+            raise WeightsNotLoaded(DISCARDED)
         return await self._with_timeout(
             impl.rlinfer_weights_checksum(), self.config.request_timeout_s, "weights_checksum"
         )
@@ -132,19 +224,48 @@ class EngineWeights(EngineBase):
 
     # --- memory --------------------------------------------------------------------------------
 
-    async def release_memory(self, tags: Iterable[MemoryTag | str] | MemoryTag | str | None = None) -> None:
+    async def release_memory(
+        self,
+        tags: Iterable[MemoryTag | str] | MemoryTag | str | None = None,
+        *,
+        discard_weights: bool = False,
+    ) -> None:
         """Free accelerator memory for ``tags`` (default: all). Raises UnsupportedCapability where
-        the platform cannot free it (e.g. CPU): never a silent no-op."""
+        the platform cannot free it (e.g. CPU): never a silent no-op.
+
+        ``discard_weights=True`` (capability ``memory.discard_weights``; ``tags`` must include
+        weights) drops the weights without a host backup: faster, and no host memory used. After
+        ``resume_memory(["weights"])`` the weights' memory is back but holds garbage, so
+        generation is refused with WeightsNotLoaded until a full :meth:`update_weights` loads.
+        The RL phase switch: release(discard) -> train -> resume(weights) -> update(full) ->
+        resume(kv_cache) -> generate.
+        """
         self._ensure_open()
         wanted = as_memory_tags(tags)
         self.capabilities.require(Capability.MEMORY_RELEASE)
+        if discard_weights:
+            self.capabilities.require(Capability.MEMORY_DISCARD_WEIGHTS)
+            if MemoryTag.WEIGHTS not in wanted:
+                raise InvalidRequest("discard_weights", "needs the weights tag among the tags to release")
+            if MemoryTag.WEIGHTS in self._released:
+                raise InvalidRequest(
+                    "discard_weights",
+                    "the weights are already released with their host backup; resume_memory(['weights']) first",
+                )
         impl = present(self._memory_impl, "rlinfer_release_memory", self.backend_name)
         todo = frozenset(wanted - self._released)
         if not todo:
             return
         started = time.perf_counter()
-        await self._with_timeout(impl.rlinfer_release_memory(todo), 300.0, "release_memory")
+        call = (
+            impl.rlinfer_release_memory(todo, discard_weights=True)
+            if discard_weights
+            else impl.rlinfer_release_memory(todo)
+        )
+        await self._with_timeout(call, 300.0, "release_memory")
         self._released |= todo
+        if discard_weights:
+            self._discarded = True
         self._observers.emit(
             "rlinfer_on_memory_released", backend=self.backend_name, tags=todo, seconds=time.perf_counter() - started
         )

@@ -56,6 +56,14 @@ class WeightUpdateError(RLInferError):
         super().__init__(f"{message}{listed}{more}\nThe engine still serves the previous weights and version.")
 
 
+class WeightsNotLoaded(RLInferError):
+    """The engine holds no valid weights: they were released with ``discard_weights=True``.
+
+    Generation, scoring, sessions and checksums are refused until a full ``update_weights``
+    (every name of ``Engine.weight_specs``) has loaded; partial and delta updates are refused too.
+    """
+
+
 class EngineDead(RLInferError):
     """The engine process died or was shut down; open a new engine."""
 

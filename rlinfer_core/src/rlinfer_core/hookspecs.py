@@ -171,13 +171,22 @@ def rlinfer_init_weight_broadcast(group: BroadcastGroup) -> Awaitable[None]:
 
 
 @hookspec(firstresult=True)
-def rlinfer_release_memory(tags: frozenset[MemoryTag]) -> Awaitable[None]:
-    """Free the accelerator memory held for ``tags`` (weights, kv_cache)."""
+def rlinfer_release_memory(tags: frozenset[MemoryTag], discard_weights: bool) -> Awaitable[None]:
+    """Free the accelerator memory held for ``tags`` (weights, kv_cache).
+
+    ``discard_weights=True`` (only for backends claiming ``memory.discard_weights``; the facade
+    passes it only then, and ``tags`` holds weights): drop the weights without a host backup;
+    after resume their memory may hold garbage, and the facade refuses generation until a full
+    :func:`rlinfer_update_weights` has loaded. The facade calls the hook without the argument for
+    a plain release, so a backend without discard support may leave it out of its signature;
+    the real backends take it with a default of False and refuse True where not supported.
+    """
 
 
 @hookspec(firstresult=True)
 def rlinfer_resume_memory(tags: frozenset[MemoryTag]) -> Awaitable[None]:
-    """Re-allocate what :func:`rlinfer_release_memory` freed; weights come back unchanged."""
+    """Re-allocate what :func:`rlinfer_release_memory` freed; weights come back unchanged
+    (after a discarding release: their memory only, to be filled by a full weight update)."""
 
 
 @hookspec(firstresult=True)

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from rlinfer_core.scoring import Score, ScoreRequest
     from rlinfer_core.session import Session
     from rlinfer_core.tools import ToolCalls
-    from rlinfer_core.weights import BroadcastGroup, TensorSpec, WeightSource, WeightUpdate
+    from rlinfer_core.weights import BroadcastGroup, TensorSpec, WeightDelta, WeightSource, WeightUpdate
 
 T = TypeVar("T")
 
@@ -126,7 +126,7 @@ class Engine:
         self._run(self.async_engine.resume())
 
     def update_weights(
-        self, update: WeightUpdate | WeightSource | Mapping[str, Any], *, version: int | None = None
+        self, update: WeightUpdate | WeightSource | WeightDelta | Mapping[str, Any], *, version: int | None = None
     ) -> int:
         """See :meth:`AsyncEngine.update_weights`."""
         return self._run(self.async_engine.update_weights(update, version=version))
@@ -140,9 +140,11 @@ class Engine:
         """See :meth:`AsyncEngine.init_weight_broadcast`."""
         self._run(self.async_engine.init_weight_broadcast(group))
 
-    def release_memory(self, tags: Iterable[MemoryTag | str] | MemoryTag | str | None = None) -> None:
+    def release_memory(
+        self, tags: Iterable[MemoryTag | str] | MemoryTag | str | None = None, *, discard_weights: bool = False
+    ) -> None:
         """See :meth:`AsyncEngine.release_memory`."""
-        self._run(self.async_engine.release_memory(tags))
+        self._run(self.async_engine.release_memory(tags, discard_weights=discard_weights))
 
     def resume_memory(self, tags: Iterable[MemoryTag | str] | MemoryTag | str | None = None) -> None:
         """See :meth:`AsyncEngine.resume_memory`."""

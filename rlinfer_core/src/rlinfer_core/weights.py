@@ -10,6 +10,11 @@ A :class:`WeightUpdate` wraps one source:
 - :class:`BroadcastSource`: tensors broadcast from rank 0 of a group set up earlier with
   ``Engine.init_weight_broadcast`` (gloo on CPU, NCCL on GPU).
 
+:class:`WeightDelta` is not a source of its own: ``update_weights(WeightDelta(...))`` checks its
+``base_version`` against the engine's weight version and hands the backend the changed tensors as
+a partial :class:`NamedTensors` update (capability ``weights.delta``; see :mod:`rlinfer_core.delta`
+for the trainer side).
+
 Names are Hugging Face checkpoint names (what ``model.named_parameters()`` of the HF model
 gives); backends map them onto their engine's fused layout. This module never imports torch.
 """
@@ -109,6 +114,29 @@ class BroadcastSource:
 
 
 WeightSource = NamedTensors | Buckets | CheckpointDir | BroadcastSource
+
+
+@attrs.frozen
+class WeightDelta:
+    """Only the tensors that changed since the engine's weight version ``base_version``.
+
+    ``update_weights(delta)`` loads them only when the engine serves exactly ``base_version``
+    (otherwise WeightUpdateError, nothing loaded); an empty delta is refused like an empty update.
+    """
+
+    base_version: int = attrs.field(validator=v.in_range(0, v.MAX_INT64, integer=True))
+    tensors: tuple[tuple[str, torch.Tensor], ...] = attrs.field(converter=v.to_tuple)
+
+    @classmethod
+    def of(cls, base_version: int, items: Iterable[tuple[str, Any]] | dict[str, Any]) -> WeightDelta:
+        """Build from a dict or an iterable of (name, tensor) pairs."""
+        pairs = items.items() if isinstance(items, dict) else items
+        return cls(base_version, tuple((str(k), t) for k, t in pairs))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the delta carries."""
+        return sum(t.numel() * t.element_size() for _, t in self.tensors)
 
 
 @attrs.frozen

@@ -28,12 +28,24 @@ from rlinfer_core.types import (
     MemoryTag,
     PauseMode,
 )
-from rlinfer_core.weights import TensorSpec
+from rlinfer_core.weights import TensorSpec, WeightDelta, WeightSource, WeightUpdate
 from rlinfer_ray.agent import PoolAgent
 from rlinfer_ray.config import PoolConfig
 from rlinfer_ray.dataplane import DataPlane
 from rlinfer_ray.replicas import ReplicaSet, State
 from rlinfer_ray.router import Router
+
+#: what the pool does not pass on to its replicas, with the reason
+POOL_UNSUPPORTED: Mapping[Capability, str] = {
+    Capability.MEMORY_DISCARD_WEIGHTS: (
+        "not implemented by the pool: a replica restarted while the weights are discarded would "
+        "serve its start weights; release with the host backup (discard_weights=False)"
+    ),
+    Capability.WEIGHTS_DELTA: (
+        "not implemented by the pool: a restarted replica is re-synced by replaying the last update, "
+        "which a delta cannot be; send full updates"
+    ),
+}
 
 
 class EnginePool(PoolAgent, DataPlane):
@@ -97,7 +109,7 @@ class EnginePool(PoolAgent, DataPlane):
             raise
         for r in self._set.replicas:
             r.state = State.SERVING
-        self.capabilities = infos[0]["capabilities"]
+        self.capabilities = infos[0]["capabilities"].without(POOL_UNSUPPORTED)
         self.model_info = infos[0]["model_info"]
         self._weight_specs = infos[0]["weight_specs"]
         self._observers.emit(
@@ -193,13 +205,34 @@ class EnginePool(PoolAgent, DataPlane):
             self._paused = None
             self._admission.open_gate()
 
+    async def update_weights(
+        self,
+        update: WeightUpdate | WeightSource | WeightDelta | Mapping[str, Any],
+        *,
+        version: int | None = None,
+    ) -> int:
+        """See the data plane's update_weights; a WeightDelta is refused (:data:`POOL_UNSUPPORTED`)."""
+        if isinstance(update, WeightDelta):
+            self._ensure_open()
+            self._caps().require(Capability.WEIGHTS_DELTA)
+            raise AssertionError("the pool never claims weights.delta")
+        return await super().update_weights(update, version=version)
+
     # --- memory and cache ----------------------------------------------------------------------
 
-    async def release_memory(self, tags: Iterable[MemoryTag | str] | MemoryTag | str | None = None) -> None:
-        """Release memory on every replica (see AsyncEngine.release_memory)."""
+    async def release_memory(
+        self,
+        tags: Iterable[MemoryTag | str] | MemoryTag | str | None = None,
+        *,
+        discard_weights: bool = False,
+    ) -> None:
+        """Release memory on every replica (see AsyncEngine.release_memory); ``discard_weights``
+        is refused (see :data:`POOL_UNSUPPORTED`)."""
         self._ensure_open()
         wanted = as_memory_tags(tags)
         self._caps().require(Capability.MEMORY_RELEASE)
+        if discard_weights:
+            self._caps().require(Capability.MEMORY_DISCARD_WEIGHTS)
         todo = frozenset(wanted - self._released)
         if todo:
             started = time.perf_counter()

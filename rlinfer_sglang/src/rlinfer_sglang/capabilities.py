@@ -118,6 +118,13 @@ PAUSE_NOTES = {
     ),
 }
 
+DISCARD_CPU_NOTE = "needs memory.release, which SGLang on CPU does not do (see its note)"
+DISCARD_CUDA_NOTE = (
+    "SGLang decides the weights' host backup once, at start (torch_memory_saver region "
+    "enable_cpu_backup from --enable-weights-cpu-backup, which rlinfer turns on so that a plain "
+    "release keeps the weights); release_memory_occupation has no per-call discard"
+)
+
 CPU_NOTES = {
     Capability.MEMORY_RELEASE.value: (
         "SGLang on CPU frees nothing: release/resume_memory_occupation run but keep every byte, "
@@ -126,6 +133,7 @@ CPU_NOTES = {
     Capability.SEEDED_SAMPLING.value: SEED_NOTE,
     Capability.WEIGHTS_TENSORS.value: "named tensors reach the scheduler through shared memory",
     Capability.WEIGHTS_BROADCAST.value: "gloo group; the scheduler receives, checks finiteness, then loads",
+    Capability.MEMORY_DISCARD_WEIGHTS.value: DISCARD_CPU_NOTE,
     **PAUSE_NOTES,
 }
 
@@ -137,6 +145,7 @@ CUDA_NOTES = {
     Capability.SEEDED_SAMPLING.value: SEED_NOTE,
     Capability.WEIGHTS_TENSORS.value: "named tensors reach the scheduler as CUDA IPC handles",
     Capability.WEIGHTS_BROADCAST.value: "NCCL group; the scheduler receives, checks finiteness, then loads",
+    Capability.MEMORY_DISCARD_WEIGHTS.value: DISCARD_CUDA_NOTE,
     **PAUSE_NOTES,
 }
 

@@ -15,7 +15,7 @@ class Memory(WeightChannel, InFlight):
     """``rlinfer_release_memory`` / ``rlinfer_resume_memory``."""
 
     @hookimpl
-    async def rlinfer_release_memory(self, tags: frozenset[MemoryTag]) -> None:
+    async def rlinfer_release_memory(self, tags: frozenset[MemoryTag], discard_weights: bool = False) -> None:
         """GPU: SGLang's memory saver. CPU: UnsupportedCapability (SGLang frees nothing there).
 
         SGLang requires an idle scheduler: in-flight requests are aborted and SGLang stays
@@ -24,6 +24,8 @@ class Memory(WeightChannel, InFlight):
         from sglang.srt.managers.io_struct import PauseGenerationReqInput, ReleaseMemoryOccupationReqInput
 
         self._caps.require(Capability.MEMORY_RELEASE)
+        if discard_weights:  # never claimed: SGLang fixes the weights' host backup at start
+            self._caps.require(Capability.MEMORY_DISCARD_WEIGHTS)
         tm = self._alive()
         await self.rlinfer_abort(None)
         if not self._sglang_paused and not self._memory_paused:

@@ -93,6 +93,7 @@ CPU_NOTES = {
     ),
     Capability.WEIGHTS_TENSORS.value: "named tensors travel to the worker through shared memory",
     Capability.WEIGHTS_BROADCAST.value: "gloo group; the worker receives, checks finiteness, then loads",
+    Capability.MEMORY_DISCARD_WEIGHTS.value: "needs memory.release, which vLLM on CPU does not do (see its note)",
 }
 
 CUDA_NOTES = {
@@ -102,6 +103,7 @@ CUDA_NOTES = {
     ),
     Capability.WEIGHTS_TENSORS.value: "named tensors travel to the worker as CUDA IPC handles",
     Capability.WEIGHTS_BROADCAST.value: "NCCL group; the worker receives, checks finiteness, then loads",
+    Capability.MEMORY_DISCARD_WEIGHTS.value: "vLLM sleep(level=2): weights and KV cache dropped, no host copy",
 }
 
 MEMORY_RELEASE_OFF_NOTE = (
@@ -157,8 +159,9 @@ def capabilities(
         return Capabilities(BACKEND, engine_version, "cpu", frozenset(supported), notes)
     if memory_release is False:
         notes[Capability.MEMORY_RELEASE.value] = MEMORY_RELEASE_OFF_NOTE
+        notes[Capability.MEMORY_DISCARD_WEIGHTS.value] = MEMORY_RELEASE_OFF_NOTE
     else:
-        supported.add(Capability.MEMORY_RELEASE)
+        supported |= {Capability.MEMORY_RELEASE, Capability.MEMORY_DISCARD_WEIGHTS}
     return Capabilities(BACKEND, engine_version, "cuda", frozenset(supported), notes)
 
 

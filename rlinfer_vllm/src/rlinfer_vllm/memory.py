@@ -27,9 +27,12 @@ class MemoryHooks:
         raise NotImplementedError
 
     @hookimpl
-    async def rlinfer_release_memory(self, tags: frozenset[MemoryTag]) -> None:
-        """GPU: vLLM sleep mode. CPU: UnsupportedCapability (vLLM frees nothing there)."""
+    async def rlinfer_release_memory(self, tags: frozenset[MemoryTag], discard_weights: bool = False) -> None:
+        """GPU: vLLM sleep mode (level 2 with ``discard_weights``: the weights are dropped, not
+        offloaded). CPU: UnsupportedCapability (vLLM frees nothing there)."""
         self._caps.require(Capability.MEMORY_RELEASE)
+        if discard_weights:
+            self._caps.require(Capability.MEMORY_DISCARD_WEIGHTS)
         llm = self._alive()
         # a tag already released along with the other one: now the caller owns it
         for tag in tags & self._implicitly_asleep:
@@ -37,9 +40,9 @@ class MemoryHooks:
             tags = tags - {tag}
         kv_only = getattr(llm, "release_kv_cache_memory", None)  # vLLM >= 0.32
         if MemoryTag.WEIGHTS in tags or (MemoryTag.KV_CACHE in tags and kv_only is None):
-            # level 1 offloads weights to host memory and discards the KV cache: whatever of the
-            # two was not asked for is woken up again with the tags that were
-            await llm.sleep(level=1, mode="abort")
+            # level 1 offloads weights to host memory and discards the KV cache (level 2 discards
+            # both): whatever of the two was not asked for is woken up again with the tags that were
+            await llm.sleep(level=2 if discard_weights else 1, mode="abort")
             both = {MemoryTag.WEIGHTS, MemoryTag.KV_CACHE}
             self._implicitly_asleep |= both - tags - self._asleep
             self._asleep |= both

@@ -13,10 +13,12 @@ class ServerMemory(ServerWeights):
     """``rlinfer_release_memory`` / ``rlinfer_resume_memory`` (as :mod:`rlinfer_sglang.memory`)."""
 
     @hookimpl
-    async def rlinfer_release_memory(self, tags: frozenset[MemoryTag]) -> None:
+    async def rlinfer_release_memory(self, tags: frozenset[MemoryTag], discard_weights: bool = False) -> None:
         """SGLang requires an idle scheduler: in-flight requests are aborted and SGLang stays
         paused (new requests wait) until every released tag is resumed."""
         self._caps.require(Capability.MEMORY_RELEASE)
+        if discard_weights:  # never claimed: SGLang fixes the weights' host backup at start
+            self._caps.require(Capability.MEMORY_DISCARD_WEIGHTS)
         http = self._alive()
         await self.rlinfer_abort(None)
         if not self._sglang_paused and not self._memory_paused:

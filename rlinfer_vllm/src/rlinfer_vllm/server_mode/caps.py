@@ -48,5 +48,6 @@ def server_capabilities(base: Capabilities, facts: Mapping[str, Any], url: str, 
             base.notes.get(Capability.MEMORY_RELEASE.value, "")
             or "attached server: its sleep mode is not known to rlinfer",
         )
+        drop[Capability.MEMORY_DISCARD_WEIGHTS] = drop[Capability.MEMORY_RELEASE]
     notes = {**base.notes, **SERVER_NOTES, **{c.value: why for c, why in drop.items()}}
     return attrs.evolve(base, supported=base.supported - set(drop), notes=notes)

@@ -23,16 +23,19 @@ class ServerMemoryHooks:
         raise NotImplementedError
 
     @hookimpl
-    async def rlinfer_release_memory(self, tags: frozenset[MemoryTag]) -> None:
-        """GPU: ``/sleep?level=1`` (weights, and the KV cache with them) or
-        ``/release_kv_cache_memory``; CPU: UnsupportedCapability."""
+    async def rlinfer_release_memory(self, tags: frozenset[MemoryTag], discard_weights: bool = False) -> None:
+        """GPU: ``/sleep?level=1`` (weights, and the KV cache with them; ``level=2`` with
+        ``discard_weights``: weights dropped, not offloaded) or ``/release_kv_cache_memory``;
+        CPU: UnsupportedCapability."""
         self._caps.require(Capability.MEMORY_RELEASE)
+        if discard_weights:
+            self._caps.require(Capability.MEMORY_DISCARD_WEIGHTS)
         http = self._alive()
         for tag in tags & self._implicitly_asleep:
             self._implicitly_asleep.discard(tag)
             tags = tags - {tag}
         if MemoryTag.WEIGHTS in tags:
-            await http.post("/sleep", params={"level": 1, "mode": "abort"})
+            await http.post("/sleep", params={"level": 2 if discard_weights else 1, "mode": "abort"})
             both = {MemoryTag.WEIGHTS, MemoryTag.KV_CACHE}
             self._implicitly_asleep |= both - tags - self._asleep
             self._asleep |= both
