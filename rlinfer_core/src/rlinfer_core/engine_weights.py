@@ -242,9 +242,10 @@ class EngineWeights(EngineBase):
         """
         self._ensure_open()
         wanted = as_memory_tags(tags)
+        if discard_weights:  # first: the error names what was asked for (its note says why)
+            self.capabilities.require(Capability.MEMORY_DISCARD_WEIGHTS)
         self.capabilities.require(Capability.MEMORY_RELEASE)
         if discard_weights:
-            self.capabilities.require(Capability.MEMORY_DISCARD_WEIGHTS)
             if MemoryTag.WEIGHTS not in wanted:
                 raise InvalidRequest("discard_weights", "needs the weights tag among the tags to release")
             if MemoryTag.WEIGHTS in self._released:

@@ -230,9 +230,9 @@ class EnginePool(PoolAgent, DataPlane):
         is refused (see :data:`POOL_UNSUPPORTED`)."""
         self._ensure_open()
         wanted = as_memory_tags(tags)
-        self._caps().require(Capability.MEMORY_RELEASE)
         if discard_weights:
             self._caps().require(Capability.MEMORY_DISCARD_WEIGHTS)
+        self._caps().require(Capability.MEMORY_RELEASE)
         todo = frozenset(wanted - self._released)
         if todo:
             started = time.perf_counter()

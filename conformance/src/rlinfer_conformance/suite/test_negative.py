@@ -18,7 +18,7 @@ from rlinfer_core.types import (
     PauseMode,
     SamplingParams,
 )
-from rlinfer_core.weights import BroadcastGroup, BroadcastSource, specs_of
+from rlinfer_core.weights import BroadcastGroup, BroadcastSource, WeightDelta, specs_of
 
 __all__ = ["test_unsupported_capability_raises"]
 
@@ -60,6 +60,10 @@ PROBES: dict[Capability, Callable[[KitWorld], Any]] = {
     Capability.WEIGHTS_DISK: lambda w: w.engine.update_weights(w.source(Capability.WEIGHTS_DISK, BASE)),
     Capability.WEIGHTS_BROADCAST: _broadcast,
     Capability.MEMORY_RELEASE: lambda w: w.engine.release_memory([MemoryTag.WEIGHTS, MemoryTag.KV_CACHE]),
+    Capability.MEMORY_DISCARD_WEIGHTS: lambda w: w.engine.release_memory(discard_weights=True),
+    Capability.WEIGHTS_DELTA: lambda w: w.engine.update_weights(
+        WeightDelta(w.engine.weight_version, w.oracle.named_parameters(w.current)[:1])
+    ),
     Capability.PREFIX_CACHE_RESET: lambda w: w.engine.reset_prefix_cache(),
     Capability.WEIGHTS_CHECKSUM: lambda w: w.engine.verify_weights(w.oracle.named_parameters(BASE)),
     Capability.SAMPLING_MIN_P: _gen(temperature=1.0, min_p=0.1),
