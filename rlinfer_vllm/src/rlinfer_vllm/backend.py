@@ -38,6 +38,7 @@ from rlinfer_vllm.bench import BenchHooks
 from rlinfer_vllm.capabilities import capabilities, installed_engine, installed_platform
 from rlinfer_vllm.config import engine_args, resolve_platform
 from rlinfer_vllm.generation import Generation
+from rlinfer_vllm.load_gate import LoadGate
 from rlinfer_vllm.lora import LoraHooks
 from rlinfer_vllm.memory import MemoryHooks
 from rlinfer_vllm.tools import ToolParsing
@@ -94,6 +95,7 @@ class VllmBackend(WeightHooks, MemoryHooks, BenchHooks, LoraHooks, Generation):
         self._specs: dict[str, TensorSpec] = {}
         self._info: ModelInfo | None = None
         self._inflight: set[str] = set()
+        self._gate = LoadGate()
         self._engine_procs: list[Any] = []
         self._asleep: set[MemoryTag] = set()
         self._implicitly_asleep: set[MemoryTag] = set()
@@ -292,6 +294,7 @@ class VllmBackend(WeightHooks, MemoryHooks, BenchHooks, LoraHooks, Generation):
         """Abort requests (None: every request in flight); their callers get "abort"."""
         llm = self._alive()
         ids = list(self._inflight) if request_ids is None else list(request_ids)
+        self._gate.abort_waiting(ids)
         if not ids:
             return
         await llm.abort(ids)
@@ -351,10 +354,18 @@ class VllmBackend(WeightHooks, MemoryHooks, BenchHooks, LoraHooks, Generation):
 
     @hookimpl
     async def rlinfer_reset_prefix_cache(self) -> None:
-        """Drop cached prefixes; running requests are preempted (recomputed) if they hold any."""
+        """Drop cached prefixes; running requests are preempted (recomputed) if they hold any.
+        Nothing to do when no request reached the engine since the last reset."""
         llm = self._alive()
-        if not await llm.reset_prefix_cache():
-            await llm.reset_prefix_cache(reset_running_requests=True)
+        if not self._gate.cache_dirty:
+            return
+        self._gate.cache_dirty = False
+        try:
+            if not await llm.reset_prefix_cache():
+                await llm.reset_prefix_cache(reset_running_requests=True)
+        except BaseException:
+            self._gate.cache_dirty = True
+            raise
 
 
 def _already_shut_down(timeout: float | None = None) -> None:

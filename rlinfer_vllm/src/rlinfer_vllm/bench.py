@@ -13,9 +13,13 @@ from rlinfer_core.types import GenerateRequest
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from rlinfer_vllm.load_gate import LoadGate
+
 
 class BenchHooks:
     """``rlinfer_bench_*`` hooks of :class:`rlinfer_vllm.backend.VllmBackend`."""
+
+    _gate: LoadGate
 
     def _alive(self) -> AsyncLLM:
         raise NotImplementedError
@@ -31,6 +35,7 @@ class BenchHooks:
         from vllm.sampling_params import RequestOutputKind
 
         llm = self._alive()
+        self._gate.cache_dirty = True  # the baseline skips the gate, but fills the prefix cache
 
         async def one(request: GenerateRequest, index: int) -> int:
             s = request.sampling

@@ -12,7 +12,7 @@ import attrs
 from rlinfer_core.chat_template import prompt_ids
 from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.model_info import ModelInfo
-from rlinfer_core.types import Completion, CompletionDelta, GenerateRequest, LogprobsMode
+from rlinfer_core.types import Completion, CompletionDelta, FinishReason, GenerateRequest, LogprobsMode
 from rlinfer_vllm import convert
 from rlinfer_vllm.batch import complete_all
 from rlinfer_vllm.raw import RawLogprobs, delta_tokens
@@ -62,8 +62,10 @@ class Generation(RawLogprobs):
         try:
             self._inflight.add(request.request_id)
             try:
-                async for out in llm.generate(tokens_input(ids), params, request.request_id, lora_request=lora):
-                    last = out
+                async with self._gate.enter(request.request_id) as entry:
+                    if entry.admitted:
+                        async for out in llm.generate(tokens_input(ids), params, request.request_id, lora_request=lora):
+                            last = out
             except Exception as exc:
                 raise self._translate(exc) from exc
             finally:
@@ -100,21 +102,29 @@ class Generation(RawLogprobs):
         seen: dict[int, list[int]] = {}
         self._inflight.add(request.request_id)
         try:
-            async for out in llm.generate(tokens_input(ids), params, request.request_id, lora_request=lora):
-                if out.finished:  # ended in the engine; the consumer may read it later
-                    self._inflight.discard(request.request_id)
-                for o in out.outputs:
-                    finished = o.finish_reason is not None
-                    if o.token_ids or finished:
-                        delta = convert.delta(request.request_id, o, finished)
-                        stamps = versions.take(request.request_id, o.index, len(delta.token_ids))
-                        delta = attrs.evolve(delta, token_versions=stamps)
-                        if raw and delta.token_ids:
-                            so_far, start = delta_tokens(seen, o.index, delta.token_ids)
-                            lps, _ = await self._raw_score(ids, so_far, start, 0, lora)
-                            delta = attrs.evolve(delta, logprobs=lps)
-                        for item in convert.replicate(request, [delta]):
-                            yield item
+            async with self._gate.enter(request.request_id) as entry:
+                if not entry.admitted:  # aborted while a weight load held it back
+                    for index in range(request.sampling.n):
+                        yield CompletionDelta(
+                            request.request_id, index, (), (), FinishReason.ABORT, None, versions.version, ()
+                        )
+                    return
+                async for out in llm.generate(tokens_input(ids), params, request.request_id, lora_request=lora):
+                    if out.finished:  # ended in the engine; the consumer may read it later
+                        self._inflight.discard(request.request_id)
+                        entry.done()
+                    for o in out.outputs:
+                        finished = o.finish_reason is not None
+                        if o.token_ids or finished:
+                            delta = convert.delta(request.request_id, o, finished)
+                            stamps = versions.take(request.request_id, o.index, len(delta.token_ids))
+                            delta = attrs.evolve(delta, token_versions=stamps)
+                            if raw and delta.token_ids:
+                                so_far, start = delta_tokens(seen, o.index, delta.token_ids)
+                                lps, _ = await self._raw_score(ids, so_far, start, 0, lora)
+                                delta = attrs.evolve(delta, logprobs=lps)
+                            for item in convert.replicate(request, [delta]):
+                                yield item
         except Exception as exc:
             raise self._translate(exc) from exc
         finally:

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from vllm.lora.request import LoRARequest
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from rlinfer_vllm.load_gate import LoadGate
     from rlinfer_vllm.versions import TokenVersions
 
 #: how often a pause looks whether the scorings in flight are done
@@ -44,6 +45,7 @@ class RawLogprobs:
     """Raw-logprob scoring, mixed into :class:`rlinfer_vllm.backend.VllmBackend`."""
 
     _scoring = 0
+    _gate: LoadGate
     _versions: TokenVersions | None
 
     def _alive(self) -> AsyncLLM:
@@ -75,8 +77,9 @@ class RawLogprobs:
         last = None
         self._scoring += 1
         try:
-            async for out in llm.generate(tokens_input([*prompt, *tokens]), params, rid, lora_request=lora):
-                last = out
+            async with self._gate.enter(rid):
+                async for out in llm.generate(tokens_input([*prompt, *tokens]), params, rid, lora_request=lora):
+                    last = out
         except Exception as exc:
             raise self._translate(exc) from exc
         finally:

@@ -36,6 +36,8 @@ from rlinfer_vllm.versions import TokenVersions
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from rlinfer_vllm.load_gate import LoadGate
+
 logger = logging.getLogger("rlinfer_vllm.backend")
 
 
@@ -50,6 +52,7 @@ class WeightHooks:
     _versions: TokenVersions | None
     _pause_lock: asyncio.Lock
     _user_pause: PauseMode | None
+    _gate: LoadGate
 
     def _alive(self) -> AsyncLLM:
         raise NotImplementedError
@@ -65,11 +68,17 @@ class WeightHooks:
     async def _paused_for_load(self) -> AsyncIterator[AsyncLLM]:
         """Hold the scheduler paused (the caller's pause, or one in "keep" mode taken here) while
         weights load, so that no engine step overlaps the load: the boundary between old- and
-        new-version tokens is exact (see :mod:`rlinfer_vllm.versions`). KV caches are kept."""
+        new-version tokens is exact (see :mod:`rlinfer_vllm.versions`). KV caches are kept.
+        With none of our requests in the engine, holding new ones back does the same without
+        the two round trips of a pause (:mod:`rlinfer_vllm.load_gate`)."""
         llm = self._alive()
-        async with self._pause_lock:
+        async with self._pause_lock, self._gate.held() as idle:
             if self._user_pause is not None:
                 yield llm
+                return
+            if idle:
+                yield llm
+                await self.rlinfer_reset_prefix_cache()  # a no-op unless requests ran since the last one
                 return
             pause = getattr(llm.engine_core, "pause_scheduler_async", None)
             if pause is not None:  # AsyncLLM.pause_generation adds a 20 ms sleep
