@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
 
 import attrs
 
@@ -35,8 +36,9 @@ from rlinfer_vllm.batch import complete_all
 from rlinfer_vllm.capabilities import capabilities, installed_engine, installed_platform
 from rlinfer_vllm.config import engine_args, resolve_platform
 from rlinfer_vllm.server_mode import convert
+from rlinfer_vllm.server_mode.batch_route import PATH as BATCH_PATH
 from rlinfer_vllm.server_mode.caps import server_capabilities
-from rlinfer_vllm.server_mode.http import ServerClient
+from rlinfer_vllm.server_mode.http import RouteMissing, ServerClient
 from rlinfer_vllm.server_mode.launch import ServerProcess, free_port, server_argv
 from rlinfer_vllm.server_mode.memory import ServerMemoryHooks
 from rlinfer_vllm.server_mode.stream import StreamVersions
@@ -65,6 +67,8 @@ class VllmServerBackend(ServerWeightHooks, ServerMemoryHooks):
         self._specs: dict[str, TensorSpec] = {}
         self._info: ModelInfo | None = None
         self._inflight: set[str] = set()
+        #: whether the server has rlinfer's batch endpoint (False after a 404: attached server)
+        self._batch_route = True
         self._asleep: set[MemoryTag] = set()
         self._implicitly_asleep: set[MemoryTag] = set()
         #: the weight version live on the server (also its weight-version label)
@@ -231,9 +235,43 @@ class VllmServerBackend(ServerWeightHooks, ServerMemoryHooks):
 
     @hookimpl
     async def rlinfer_generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:
-        """Every request concurrently (one HTTP call each); n completions per request, in order."""
-        self._alive()
+        """The whole batch in one call to rlinfer's batch endpoint (registered with the engine in
+        one pass, :mod:`rlinfer_vllm.server_mode.batch_route`); on a server without it (attached,
+        404) every request concurrently, one ``/inference/v1/generate`` call each. n completions
+        per request, in request order."""
+        http = self._alive()
+        if self._batch_route and requests:
+            try:
+                return await self._generate_batch(http, requests)
+            except RouteMissing:
+                self._batch_route = False
         return await complete_all(requests, self._complete)
+
+    async def _generate_batch(self, http: ServerClient, requests: Sequence[GenerateRequest]) -> list[Completion]:
+        prompts = await asyncio.gather(*(self._prompt_ids(http, r) for r in requests))
+        max_len = self._max_len()
+        payloads = [convert.body(r, ids, max_len, stream=False) for r, ids in zip(requests, prompts, strict=True)]
+        results: list[list[Completion] | None] = [None] * len(requests)
+        started = time.perf_counter()
+        self._inflight.update(r.request_id for r in requests)
+        try:
+            # an error on one request closes the stream, which cancels (aborts) the others, as
+            # complete_all cancels the other calls on the per-request path
+            async for line in http.ndjson(BATCH_PATH, {"requests": payloads}):
+                i, status, answer = int(line["index"]), int(line["status"]), line["body"]
+                request = requests[i]
+                self._inflight.discard(request.request_id)
+                if status >= 300:
+                    raise await http.error("/inference/v1/generate", status, answer)
+                results[i] = self._finish(request, prompts[i], answer, time.perf_counter() - started)
+        finally:
+            for r in requests:
+                self._inflight.discard(r.request_id)
+        missing = [r.request_id for r, done in zip(requests, results, strict=True) if done is None]
+        if missing:
+            http.check_processes()
+            raise EngineDead(f"the vLLM server's {BATCH_PATH} answer ended without requests {missing[:5]}")
+        return [c for group in results if group is not None for c in group]
 
     async def _complete(self, request: GenerateRequest) -> list[Completion]:
         http = self._alive()
@@ -245,9 +283,15 @@ class VllmServerBackend(ServerWeightHooks, ServerMemoryHooks):
             answer = await http.post("/inference/v1/generate", payload, retry=False)
         finally:
             self._inflight.discard(request.request_id)
-        done = convert.completions(request, ids, answer, time.perf_counter() - started, self.version)
+        return self._finish(request, ids, answer, time.perf_counter() - started)
+
+    def _finish(
+        self, request: GenerateRequest, ids: list[int], answer: Mapping[str, Any], latency_s: float
+    ) -> list[Completion]:
+        """The request's completions from the token endpoint's answer (replicated for greedy n)."""
+        done = convert.completions(request, ids, answer, latency_s, self.version)
         if not done:
-            return inproc_convert.aborted_before_output(request, ids, time.perf_counter() - started)
+            return inproc_convert.aborted_before_output(request, ids, latency_s)
         return inproc_convert.replicate(request, done)
 
     @hookimpl

@@ -33,6 +33,13 @@ class ServerError(RLInferError):
         super().__init__(f"the vLLM server failed {path} (HTTP {status}): {message}")
 
 
+class RouteMissing(RLInferError):
+    """The server answered 404 for a route (an attached server without rlinfer's middleware)."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(f"the vLLM server has no {path}")
+
+
 def b64(data: bytes) -> dict[str, str]:
     """A bytes argument for :meth:`ServerClient.rpc` (decoded by the worker's ``rlinfer_http``)."""
     return {"b64": base64.b64encode(data).decode("ascii")}
@@ -124,6 +131,11 @@ class ServerClient:
             body = response.json()
         except ValueError:
             body = response.text
+        return await self.error(path, status, body)
+
+    async def error(self, path: str, status: int, body: Any) -> InvalidRequest:
+        """The typed error of an error answer (``status`` >= 300, JSON ``body``): InvalidRequest
+        for 4xx is returned; EngineDead or ServerError for 5xx are raised."""
         param, message = _error_message(body)
         if status < 500:
             return InvalidRequest(param or "request", f"the vLLM server refused {path} (HTTP {status}): {message}")
@@ -199,6 +211,32 @@ class ServerClient:
             "/collective_rpc", body, timeout_s=timeout + CONNECT_TIMEOUT_S, retry=False, close=True
         )
         return result["results"][0] if result is not None else None
+
+    async def ndjson(self, path: str, body: Any) -> AsyncIterator[Any]:
+        """POST ``body`` and yield each line's JSON of an NDJSON answer; :class:`RouteMissing` if
+        the server has no ``path`` (404). Closing the iterator closes the connection."""
+        self.check_processes()
+        try:
+            async with self.client.stream("POST", path, json=body) as response:
+                if response.status_code == 404:
+                    raise RouteMissing(path)
+                if response.status_code >= 300:
+                    await response.aread()
+                    error = await self.check(path, response)
+                    if isinstance(error, InvalidRequest):
+                        raise error
+                async for line in response.aiter_lines():
+                    if line:
+                        yield json.loads(line)
+        except RLInferError:
+            raise
+        except GeneratorExit:
+            raise
+        except Exception as exc:
+            translated = await self.translate(path, exc)
+            if translated is exc:
+                raise
+            raise translated from exc
 
     async def stream(self, path: str, body: Any) -> AsyncIterator[Any]:
         """POST ``body`` and yield each server-sent event's JSON (``data: ...``) until ``[DONE]``.

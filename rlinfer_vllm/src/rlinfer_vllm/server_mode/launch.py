@@ -11,7 +11,8 @@ anything starts), plus what server mode needs:
   worker extension, ``/pause``, ``/resume``, ``/abort_requests``, ``/sleep``, ``/wake_up``,
   ``/reset_prefix_cache``, ``/update_weight_version``);
 - ``--enable-scale-out``: vLLM's token-in/token-out endpoint ``/inference/v1/generate``;
-- ``--max-logprobs`` one above rlinfer's limit (see :mod:`rlinfer_vllm.server_mode.convert`).
+- ``--max-logprobs`` one above rlinfer's limit (see :mod:`rlinfer_vllm.server_mode.convert`);
+- ``--middleware rlinfer_vllm.server_mode.batch_route.BatchRoute``: the batch generate endpoint.
 
 The server binds 127.0.0.1 on a free port. Its output goes to a log file whose tail is shown when
 it fails to start.
@@ -52,6 +53,8 @@ SERVER_OVERRIDES: Mapping[str, Any] = {
     "enable_scale_out": True,
     "disable_uvicorn_access_log": True,
     "uvicorn_log_level": "warning",
+    # rlinfer's batch generate endpoint (see rlinfer_vllm.server_mode.batch_route)
+    "middleware": ["rlinfer_vllm.server_mode.batch_route.BatchRoute"],
 }
 
 
@@ -90,6 +93,9 @@ def server_argv(kwargs: Mapping[str, Any], host: str, port: int) -> list[str]:
         elif action.nargs == 0:  # store_true: absent means False
             if value:
                 argv.append(flag)
+        elif isinstance(action, argparse._AppendAction) and isinstance(value, list | tuple):
+            for item in value:
+                argv += [flag, str(item)]
         elif action.nargs in ("+", "*") and isinstance(value, list | tuple):
             argv += [flag, *(str(v) for v in value)]
         else:

@@ -1,0 +1,180 @@
+"""A batch generate endpoint inside the real ``vllm serve`` process (an ASGI middleware).
+
+``vllm serve --middleware rlinfer_vllm.server_mode.batch_route.BatchRoute`` (rlinfer's launcher
+passes it) answers ``POST /rlinfer/v1/generate_batch`` with body ``{"requests": [...]}``, each item
+the JSON body of vLLM's token endpoint ``/inference/v1/generate`` (``stream: false``). Every item
+goes through the server's own handler of that endpoint (``app.state.serving_tokens.serve_tokens``:
+the same validation, request id ``generate-tokens-<request_id>``, sampling defaults and answer as
+one call each), but all of them are handed to the engine client in one pass, as the in-process
+backend does. Over one HTTP call per request the API server parsed them one by one while the busy
+engine took the CPU, and the engine ran many small steps instead of one large batch.
+
+The answer is NDJSON, one line per item as it finishes (early finishers return early):
+``{"index": i, "status": 200, "body": <the token endpoint's answer>}``, or an error status with
+vLLM's own error body. A client that disconnects cancels the items still running, which aborts
+them in the engine (as a dropped connection does on the token endpoint); ``/abort_requests`` with
+``generate-tokens-<request_id>`` aborts single items. When the server has API keys
+(``--api-key`` / ``VLLM_API_KEY``) the route asks for one, as vLLM's guarded routes do.
+
+This module runs in the server process; it imports vLLM only inside functions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+PATH = "/rlinfer/v1/generate_batch"
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+def _line(index: int, status: int, body: Any) -> bytes:
+    return json.dumps({"index": index, "status": status, "body": body}).encode() + b"\n"
+
+
+async def _json_response(send: Send, status: int, body: Any) -> None:
+    data = json.dumps(body).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": data})
+
+
+def _error(message: str, status: int = 400, param: str | None = None) -> dict[str, Any]:
+    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+
+    return dict(create_error_response(message, status_code=status, param=param).model_dump())
+
+
+def _authorized(app: Any, scope: Scope) -> bool:
+    """Whether the request carries one of the server's API keys (True when it has none)."""
+    from starlette.datastructures import Headers
+    from vllm import envs
+    from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+
+    args = getattr(app.state, "args", None)
+    tokens = [key for key in (getattr(args, "api_key", None) or [envs.VLLM_API_KEY]) if key]
+    if not tokens:
+        return True
+    return bool(AuthenticationMiddleware(app, tokens).verify_token(Headers(scope=scope)))
+
+
+async def _body(receive: Receive) -> tuple[bytes, bool]:
+    """The request body, and whether the client disconnected while sending it."""
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return b"", True
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks), False
+
+
+async def _one(app: Any, scope: Scope, item: Any) -> tuple[int, Any]:
+    """(status, body) of one item, exactly as ``/inference/v1/generate`` answers it."""
+    import pydantic
+    from fastapi.exceptions import RequestValidationError
+    from starlette.requests import Request
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest, GenerateResponseBase
+    from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+    from vllm.entrypoints.serve.exception_handling.handlers.validation import validation_exception_handler
+
+    handler = app.state.serving_tokens
+    if handler is None:
+        return 501, _error("the model does not support the generate tokens API", 501)
+    try:
+        request = GenerateRequest.model_validate(item)
+    except pydantic.ValidationError as exc:
+        # vLLM's own handler of invalid bodies: the same status, message and param
+        response = await validation_exception_handler(
+            Request(scope), RequestValidationError(exc.errors(include_url=False))
+        )
+        return response.status_code, json.loads(bytes(response.body))
+    if request.stream:
+        return 400, _error("items of a batch cannot stream", 400, "stream")
+    try:
+        answer = await handler.serve_tokens(request, None)
+    except Exception as exc:  # what vLLM's exception handlers do for the single-request route
+        error = create_error_response(exc)
+        return int(error.error.code), error.model_dump()
+    if isinstance(answer, ErrorResponse):
+        return int(answer.error.code), answer.model_dump()
+    assert isinstance(answer, GenerateResponseBase)
+    return 200, answer.model_dump()
+
+
+class BatchRoute:
+    """ASGI middleware serving :data:`PATH`; every other request goes to the app unchanged."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Serve :data:`PATH`, pass everything else on."""
+        if scope["type"] != "http" or scope["path"] != PATH:
+            await self.app(scope, receive, send)
+            return
+        app = scope["app"]
+        if scope.get("method") != "POST":
+            await _json_response(send, 405, _error(f"{PATH} takes POST", 405))
+            return
+        if not _authorized(app, scope):
+            await _json_response(send, 401, {"error": "Unauthorized"})
+            return
+        raw, gone = await _body(receive)
+        if gone:
+            return
+        try:
+            items = json.loads(raw)["requests"]
+            if not isinstance(items, list):
+                raise TypeError("requests is not a list")
+        except (ValueError, KeyError, TypeError) as exc:
+            await _json_response(send, 400, _error(f"expected {{'requests': [...]}}: {exc}", 400, "requests"))
+            return
+        await self._serve(app, scope, receive, send, items)
+
+    async def _serve(self, app: Any, scope: Scope, receive: Receive, send: Send, items: list[Any]) -> None:
+        async def one(index: int, item: Any) -> bytes:
+            status, body = await _one(app, scope, item)
+            return _line(index, status, body)
+
+        # created in one pass: every item reaches the engine client before the engine gets a
+        # chance to take the CPU
+        tasks = {asyncio.ensure_future(one(i, item)) for i, item in enumerate(items)}
+        disconnected = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            await send(
+                {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/x-ndjson")]}
+            )
+            pending = set(tasks)
+            while pending:
+                done, _ = await asyncio.wait(pending | {disconnected}, return_when=asyncio.FIRST_COMPLETED)
+                if disconnected in done:
+                    return
+                for task in done:
+                    pending.discard(task)
+                    await send({"type": "http.response.body", "body": task.result(), "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+        finally:
+            # cancelling an item's task cancels its engine generator, which aborts it in the engine
+            disconnected.cancel()
+            for task in tasks:
+                task.cancel()
+            with contextlib.suppress(Exception):
+                await asyncio.gather(*tasks, disconnected, return_exceptions=True)
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+__all__ = ["PATH", "BatchRoute"]
