@@ -9,12 +9,17 @@ One cycle, as a colocated GRPO/PPO loop runs it (verl, SkyRL order):
     resume_memory(["kv_cache"])
     first token                           # one greedy request, max_tokens=1
 
+With ``--discard-weights`` the same cycles run a second time with
+``release_memory(discard_weights=True)`` (no host backup of the weights; the full update refills
+them), and the table shows both modes; a backend that does not claim ``memory.discard_weights``
+gets the reason in the table instead.
+
 Each phase is timed with the GPU synchronised on both sides; medians and spread over
 ``--cycles`` cycles after one warm-up cycle. ``switch_s`` is the sum of every phase except the
 stand-in train step (the time the switch itself costs); ``total_s`` includes it.
 
     python3 dev/gpu/bench/phase_switch_bench.py --backend vllm --model /tmp/rlinfer_model \
-        --json-out $OUT/phase-vllm.json
+        --json-out $OUT/phase-vllm.json [--discard-weights]
 """
 
 from __future__ import annotations
@@ -52,14 +57,39 @@ def stand_in_train_step(fill_fraction: float) -> dict[str, float]:
     return {"filled_gib": nbytes / GIB}
 
 
+def run_cycles(
+    engine: Any, args: argparse.Namespace, first: Any, a: Any, b: Any, *, discard: bool
+) -> list[dict[str, float]]:
+    """One warm-up cycle and ``args.cycles`` timed ones, alternating weight sets a and b."""
+    from rlinfer_core.weights import NamedTensors
+
+    cycles: list[dict[str, float]] = []
+    for i in range(args.cycles + 1):
+        weights = NamedTensors.of(b if i % 2 == 0 else a)
+        cycle: dict[str, float] = {}
+        before = memory_snapshot()
+        cycle["release_s"], _ = timed(lambda: engine.release_memory(discard_weights=discard))
+        cycle["freed_gib"] = memory_snapshot()["free_gib"] - before["free_gib"]
+        cycle["train_stand_in_s"], filled = timed(lambda: stand_in_train_step(args.fill))
+        cycle["filled_gib"] = filled["filled_gib"]
+        cycle["resume_weights_s"], _ = timed(lambda: engine.resume_memory(["weights"]))
+        cycle["update_weights_s"], _ = timed(functools.partial(engine.update_weights, weights))
+        cycle["resume_kv_cache_s"], _ = timed(lambda: engine.resume_memory(["kv_cache"]))
+        cycle["first_token_s"], _ = timed(lambda: engine.generate([first]))
+        cycle["switch_s"] = sum(cycle[p] for p in PHASES if p != "train_stand_in_s")
+        cycle["total_s"] = cycle["switch_s"] + cycle["train_stand_in_s"]
+        if i:  # the first cycle warms allocators and kernels
+            cycles.append(cycle)
+    return cycles
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Warm-up cycle, then ``args.cycles`` timed cycles."""
     import attrs
     import torch
 
     from rlinfer_core.engine import open_engine
-    from rlinfer_core.types import EngineConfig, GenerateRequest, SamplingParams, parse_assignments
-    from rlinfer_core.weights import NamedTensors
+    from rlinfer_core.types import Capability, EngineConfig, GenerateRequest, SamplingParams, parse_assignments
 
     config = EngineConfig(
         model=str(args.model),
@@ -92,26 +122,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         engine.generate([first])
         a, b, nbytes = load_weight_sets(engine, args.model, seed=1)
         result["weights_gb"] = nbytes / 1e9
-        cycles: list[dict[str, float]] = []
-        for i in range(args.cycles + 1):
-            weights = NamedTensors.of(b if i % 2 == 0 else a)
-            cycle: dict[str, float] = {}
-            before = memory_snapshot()
-            cycle["release_s"], _ = timed(engine.release_memory)
-            cycle["freed_gib"] = memory_snapshot()["free_gib"] - before["free_gib"]  # type: ignore[operator]
-            cycle["train_stand_in_s"], filled = timed(lambda: stand_in_train_step(args.fill))
-            cycle["filled_gib"] = filled["filled_gib"]
-            cycle["resume_weights_s"], _ = timed(lambda: engine.resume_memory(["weights"]))
-            cycle["update_weights_s"], _ = timed(functools.partial(engine.update_weights, weights))
-            cycle["resume_kv_cache_s"], _ = timed(lambda: engine.resume_memory(["kv_cache"]))
-            cycle["first_token_s"], _ = timed(lambda: engine.generate([first]))
-            cycle["switch_s"] = sum(cycle[p] for p in PHASES if p != "train_stand_in_s")
-            cycle["total_s"] = cycle["switch_s"] + cycle["train_stand_in_s"]
-            if i:  # the first cycle warms allocators and kernels
-                cycles.append(cycle)
-        result["cycles"] = cycles
-        keys = [*PHASES, "switch_s", "total_s", "freed_gib", "filled_gib"]
-        result["phases"] = {k: stats([c[k] for c in cycles]) for k in keys}
+        result["modes"] = {}
+        for mode in ("backup", "discard") if args.discard_weights else ("backup",):
+            if mode == "discard" and not engine.capabilities.supports(Capability.MEMORY_DISCARD_WEIGHTS):
+                note = engine.capabilities.notes.get(Capability.MEMORY_DISCARD_WEIGHTS.value, "")
+                result["modes"][mode] = {"unsupported": note or "not claimed"}
+                continue
+            cycles = run_cycles(engine, args, first, a, b, discard=mode == "discard")
+            keys = [*PHASES, "switch_s", "total_s", "freed_gib", "filled_gib"]
+            result["modes"][mode] = {"cycles": cycles, "phases": {k: stats([c[k] for c in cycles]) for k in keys}}
+        result["phases"] = result["modes"]["backup"]["phases"]  # the default mode, as before
     except Exception as exc:
         result["errors"].append(f"{type(exc).__name__}: {exc}")
         result["traceback"] = traceback.format_exc()
@@ -121,16 +141,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def summary(result: dict[str, Any]) -> str:
-    """Per-phase medians (ms)."""
-    phases = result.get("phases")
-    if not phases:
+    """Per-phase medians (ms) of each mode, side by side."""
+    modes = result.get("modes")
+    if not modes:
         return json.dumps(result, indent=1, default=str)
-    rows = [f"phase switch, {result['backend']} on {result['gpu']} ({result.get('weights_gb', 0):.2f} GB bf16):"]
-    for key, value in phases.items():
-        unit = "GiB" if key.endswith("gib") else "ms"
-        scale = 1.0 if unit == "GiB" else 1e3
-        low, high = value["min"] * scale, value["max"] * scale
-        rows.append(f"  {key:<20} {value['median'] * scale:9.1f} {unit} (min {low:.1f}, max {high:.1f})")
+    names = list(modes)
+    rows = [
+        f"phase switch, {result['backend']} on {result['gpu']} ({result.get('weights_gb', 0):.2f} GB bf16), "
+        "median (min-max):",
+        f"  {'phase':<20}" + "".join(f"{name:>30}" for name in names),
+    ]
+    keys = next((list(m["phases"]) for m in modes.values() if "phases" in m), [])
+    for key in keys:
+        unit, scale = ("GiB", 1.0) if key.endswith("gib") else ("ms", 1e3)
+        cells = []
+        for name in names:
+            value = modes[name].get("phases", {}).get(key)
+            if value is None:
+                cells.append(f"{'-':>30}")
+                continue
+            med, low, high = value["median"] * scale, value["min"] * scale, value["max"] * scale
+            cells.append(f"{f'{med:.1f} {unit} ({low:.1f}-{high:.1f})':>30}")
+        rows.append(f"  {key:<20}" + "".join(cells))
+    for name, mode in modes.items():
+        if "unsupported" in mode:
+            rows.append(f"  {name}: unsupported by {result['backend']}: {mode['unsupported']}")
     return "\n".join(rows + [f"ERROR {e}" for e in result.get("errors", [])])
 
 
@@ -145,6 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument(
+        "--discard-weights",
+        action="store_true",
+        help="also run the cycles with release_memory(discard_weights=True) and show both modes",
+    )
     args = parser.parse_args(argv)
     args.json_out.parent.mkdir(parents=True, exist_ok=True)
     try:
