@@ -6,6 +6,7 @@ from rlinfer_conformance.suite import *  # noqa: F403
 from rlinfer_conformance.suite.test_agent import *  # noqa: F403
 from rlinfer_conformance.suite.test_architectures import *  # noqa: F403
 from rlinfer_conformance.suite.test_control import *  # noqa: F403
+from rlinfer_conformance.suite.test_discard_weights import *  # noqa: F403
 from rlinfer_conformance.suite.test_faults import *  # noqa: F403
 from rlinfer_conformance.suite.test_fidelity import *  # noqa: F403
 from rlinfer_conformance.suite.test_generate import *  # noqa: F403
@@ -16,3 +17,4 @@ from rlinfer_conformance.suite.test_meta import *  # noqa: F403
 from rlinfer_conformance.suite.test_negative import *  # noqa: F403
 from rlinfer_conformance.suite.test_stateful import *  # noqa: F403
 from rlinfer_conformance.suite.test_weights import *  # noqa: F403
+from rlinfer_conformance.suite.test_weights_delta import *  # noqa: F403
