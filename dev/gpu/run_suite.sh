@@ -9,10 +9,17 @@
 #   - weightsync:  dev/gpu/bench/weight_sync_bench.py (CUDA-IPC GB/s, release/resume) -> $OUT/weightsync-E.{json,log}
 #   - phase:       dev/gpu/bench/phase_switch_bench.py (release -> train -> resume -> update -> first token)
 #                                                                                -> $OUT/phase-E.{json,log}
+#   Two-GPU steps (nvidia-h200-x2; dev/gpu/run_x2.sh drives them, docs/gpu.md "The 2-GPU run"):
+#   - tp2:         the conformance kit at tensor_parallel_size=2 (every engine it opens: the main
+#                  one, the extra architectures', the fault matrix's), verbose  -> $OUT/tp2-E.{json,log}
+#   - pool:        dev/gpu/bench/pool_scaling_bench.py, 2 replicas (one GPU each) vs 1 (needs the
+#                  ray bundle: dev/gpu/install.sh ray)                          -> $OUT/pool-E.{json,log}
+#   - ray:         dev/gpu/ray_smoke.py (ray.init, an actor, one GPU bundle per GPU) -> $OUT/ray-E.json
 # A run call is limited to 600 s and an engine start takes ~1.5 min on the GPU, so pass one or
 # two steps per call (docs/gpu.md has the sequence). Per-step time limits: RLINFER_GPU_TIMEOUT
 # (seconds, default 540). Extra args: RLINFER_GPU_PYTEST_ARGS (kit), RLINFER_GPU_BENCH_ARGS
-# (rlinfer bench), RLINFER_GPU_WEIGHTSYNC_ARGS; they come after the GPU defaults below, so they win.
+# (rlinfer bench), RLINFER_GPU_WEIGHTSYNC_ARGS, RLINFER_GPU_POOL_ARGS; they come after the GPU
+# defaults below, so they win.
 # Writes at most 8 files to $OUT (what a run call can bring back).
 #
 # GPU defaults: the kit runs with memory release on and a logprob tolerance of 2e-3 (its CPU
@@ -94,6 +101,27 @@ for s in "${STEPS[@]}"; do
       step weightsync "$OUT/weightsync-$ENGINE.log" python3 dev/gpu/bench/weight_sync_bench.py \
         --backend "$ENGINE" --model "$MODEL" --json-out "$OUT/weightsync-$ENGINE.json" \
         "${ENGINE_ARGS[@]}" ${RLINFER_GPU_WEIGHTSYNC_ARGS:-}
+      ;;
+    tp2)
+      # same GPU defaults as the kit on one GPU: gpu_memory_utilization=0.2 per rank (the kit holds
+      # up to 3 engines at once: main + an extra architecture's or a fault-matrix engine; with
+      # kv_cache_memory_bytes fixed by the kit, each really uses a few GB per GPU, so the vLLM and
+      # SGLang kits can share the two GPUs), eager mode for short starts
+      # shellcheck disable=SC2086
+      step tp2 "$OUT/tp2-$ENGINE.log" python3 -m pytest \
+        "tests/backends/test_${ENGINE}_conformance.py" -v -p rlinfer_conformance \
+        --rlinfer-backend "$ENGINE" --rlinfer-report "$OUT/tp2-$ENGINE.json" \
+        "${KIT_ARGS[@]}" --rlinfer-config tensor_parallel_size=2 --rlinfer-config startup_timeout_s=300 \
+        --durations=12 ${RLINFER_GPU_PYTEST_ARGS:-}
+      ;;
+    pool)
+      # shellcheck disable=SC2086
+      step pool "$OUT/pool-$ENGINE.log" python3 dev/gpu/bench/pool_scaling_bench.py \
+        --backend "$ENGINE" --model "$MODEL" --replicas 2 --phases pool2,pool1 \
+        --json-out "$OUT/pool-$ENGINE.json" "${ENGINE_ARGS[@]}" ${RLINFER_GPU_POOL_ARGS:-}
+      ;;
+    ray)
+      python3 "$HERE/ray_smoke.py" --json-out "$OUT/ray-$ENGINE.json" || rc=1
       ;;
     phase)
       step phase "$OUT/phase-$ENGINE.log" python3 dev/gpu/bench/phase_switch_bench.py \

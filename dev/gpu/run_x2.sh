@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# ON THE DEVICE (nvidia-h200-x2): the 2-GPU run of issue 12, one short call per step.
+# Usage: bash dev/gpu/run_x2.sh STEP...      (docs/gpu.md "The 2-GPU run" has the call sequence)
+#   setup    install every fully staged bundle (vllm, sglang, ray; the others are named and
+#            skipped), check Ray (dev/gpu/ray_smoke.py: init, actor, a GPU bundle per GPU) and make
+#            the model                                                    -> $OUT/setup.txt, ray-smoke.json
+#   tp-kit   the conformance kit at tensor_parallel_size=2 for every installed engine AT ONCE
+#            (run_suite.sh E tp2; the two kits share the GPUs, see run_suite.sh), fault matrix and
+#            extra architectures included                                  -> $OUT/tp2-E.{json,log}
+#   pool     pool_scaling_bench.py: 2 replicas (one GPU each) vs 1, generate scaling (goal >= 1.9x)
+#            and weight sync to 2 vs 1 (goal <= 1.2x), by tensors and disk  -> $OUT/pool-E.{json,log}
+# Environment: RLINFER_X2_ENGINES (tp-kit: default every installed engine), RLINFER_X2_POOL_ENGINE
+# (default vllm), RLINFER_GPU_TIMEOUT (per step, default 540 s; a run call allows 600),
+# RLINFER_GPU_PYTEST_ARGS / RLINFER_GPU_POOL_ARGS (passed on). At most 8 files go to $OUT.
+set -uo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+REPO=$(cd "$HERE/../.." && pwd)
+cd "$REPO"
+OUT=${OUT:-/tmp/rlinfer_out}
+export OUT
+mkdir -p "$OUT"
+SITES=${GPU_SITE_ROOT:-/tmp}
+MODEL=${RLINFER_GPU_MODEL:-/tmp/rlinfer_model}
+export RLINFER_GPU_TIMEOUT=${RLINFER_GPU_TIMEOUT:-540}
+[ $# -gt 0 ] || { echo "usage: run_x2.sh setup|tp-kit|pool ..." >&2; exit 2; }
+rc=0
+
+installed() { [ -f "$SITES/$1_site/.installed" ]; }
+
+engines() {  # the installed engines (or RLINFER_X2_ENGINES)
+  if [ -n "${RLINFER_X2_ENGINES:-}" ]; then
+    echo "$RLINFER_X2_ENGINES"
+    return
+  fi
+  local e out=""
+  for e in vllm sglang; do installed "$e" && out="$out $e"; done
+  echo "$out"
+}
+
+summary() {  # one line per kit report / pool result
+  python3 - "$@" <<'PY'
+import json, sys
+for path in sys.argv[1:]:
+    try:
+        data = json.load(open(path))
+    except (OSError, ValueError) as exc:
+        print(f"{path}: no result ({exc})")
+        continue
+    if data.get("bench") == "pool_scaling":
+        fig = data.get("figures", {})
+        scale = fig.get("scaling_pool2_over_one_replica_paired", {})
+        print(f"{path}: scaling paired median {scale.get('median')} [min {scale.get('min')}] (goal >= 1.9); "
+              f"pool2/pool1 {fig.get('scaling_pool2_over_pool1')}; "
+              f"sync 2/1 tensors {fig.get('sync_tensors_pool2_over_pool1')} disk {fig.get('sync_disk_pool2_over_pool1')} "
+              f"(goal <= 1.2); errors {[e['phase'] + ': ' + e['error'][:200] for e in data.get('errors', [])]}")
+        continue
+    failed = [k for k, t in data.get("tests", {}).items() if t.get("outcome") == "failed"]
+    print(f"{path}: {data.get('summary')} in {data.get('wall_s')} s, max |dlogprob| "
+          f"{data.get('max_abs_logprob_delta')}; failed: {failed}")
+PY
+}
+
+for s in "$@"; do
+  case "$s" in
+    setup)
+      (
+        src=0
+        for b in vllm sglang ray; do
+          if python3 "$HERE/bundle_tool.py" status --stage "${GPU_STAGE:-/tmp/gpu_stage}" "$b" >/dev/null 2>&1; then
+            bash "$HERE/install.sh" "$b" || src=1
+          else
+            python3 "$HERE/bundle_tool.py" status --stage "${GPU_STAGE:-/tmp/gpu_stage}" "$b"
+            echo "setup: $b not (fully) staged, not installed"
+          fi
+        done
+        nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv
+        df -h /dev/shm /tmp  # Ray's object store lives in /dev/shm (in /tmp, slower, when that is small)
+        first=$(for e in vllm sglang; do installed "$e" && echo "$e" && break; done)
+        if installed ray && [ -n "$first" ]; then
+          # the smoke test in an engine's environment, as the pool will run
+          (source "$HERE/env.sh" "$first" && timeout 180 python3 "$HERE/ray_smoke.py" --json-out "$OUT/ray-smoke.json") || src=1
+        fi
+        if [ -n "$first" ] && [ ! -f "$MODEL/config.json" ]; then
+          (source "$HERE/env.sh" "$first" && timeout 300 python3 "$HERE/make_model.py" "$MODEL") || src=1
+        fi
+        exit $src
+      ) 2>&1 | tee "$OUT/setup.txt"
+      [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+      ;;
+    tp-kit)
+      pids=()
+      for e in $(engines); do
+        # each kit's output goes to its log only ($OUT/tp2-E.log, via run_suite.sh's step)
+        bash "$HERE/run_suite.sh" "$e" tp2 >/dev/null 2>&1 &
+        pids+=($!)
+        echo "tp-kit: $e started (pid $!)"
+      done
+      for p in "${pids[@]}"; do wait "$p" || rc=1; done
+      for e in $(engines); do
+        echo "--- tp2-$e.log (tail)"
+        tail -n 25 "$OUT/tp2-$e.log" 2>/dev/null
+      done
+      summary "$OUT"/tp2-*.json
+      ;;
+    pool)
+      e=${RLINFER_X2_POOL_ENGINE:-vllm}
+      if ! installed ray; then
+        echo "pool: the ray bundle is not installed (stage ray-part01, then run_x2.sh setup)" >&2
+        rc=1
+        continue
+      fi
+      bash "$HERE/run_suite.sh" "$e" pool > /dev/null 2>&1 || rc=1
+      tail -n 30 "$OUT/pool-$e.log" 2>/dev/null
+      summary "$OUT/pool-$e.json"
+      ;;
+    *)
+      echo "run_x2: unknown step '$s' (setup, tp-kit, pool)" >&2
+      rc=2
+      ;;
+  esac
+done
+exit $rc
