@@ -93,3 +93,22 @@ def to_tuple(value: Any) -> tuple[Any, ...]:
     if isinstance(value, (str, bytes)):
         return (value,)
     return tuple(value)
+
+
+def server_url(_inst: Any, _attribute: Any, value: Any) -> None:
+    """Validator: None, or an ``http(s)://host:port`` URL naming a server only."""
+    if value is None:
+        return
+    from urllib.parse import urlsplit
+
+    if not isinstance(value, str):
+        raise InvalidRequest("server_url", f"must be an http(s)://host:port URL or None, got {value!r}")
+    try:
+        parts = urlsplit(value)
+        port = parts.port
+    except ValueError:
+        port, parts = None, None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or port is None:
+        raise InvalidRequest("server_url", f"must be an http(s)://host:port URL, got {value!r}")
+    if parts.path.strip("/") or parts.query or parts.fragment:
+        raise InvalidRequest("server_url", f"must name the server only (no path or query), got {value!r}")

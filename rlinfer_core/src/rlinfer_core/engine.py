@@ -77,6 +77,8 @@ class AsyncEngine(EngineAgent, EngineWeights):
         info = get_backend(backend)
         extra = plugin_objects() if load_entry_point_plugins else []
         engine = cls(info, info.create(config), config, plugins, extra)
+        if config.deterministic:  # refused before anything starts
+            engine.capabilities.require(Capability.DETERMINISTIC)
         started = time.perf_counter()
         try:
             await engine._with_timeout(engine._backend.rlinfer_start(config), config.startup_timeout_s, "start")

@@ -406,24 +406,6 @@ class Capabilities:
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 
-def _check_server_url(_inst: Any, _attribute: Any, value: Any) -> None:
-    if value is None:
-        return
-    from urllib.parse import urlsplit
-
-    if not isinstance(value, str):
-        raise InvalidRequest("server_url", f"must be an http(s)://host:port URL or None, got {value!r}")
-    try:
-        parts = urlsplit(value)
-        port = parts.port
-    except ValueError:
-        port, parts = None, None
-    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or port is None:
-        raise InvalidRequest("server_url", f"must be an http(s)://host:port URL, got {value!r}")
-    if parts.path.strip("/") or parts.query or parts.fragment:
-        raise InvalidRequest("server_url", f"must name the server only (no path or query), got {value!r}")
-
-
 @attrs.frozen
 class EngineConfig:
     """One schema for every engine; each backend maps it onto its engine's own arguments.
@@ -470,7 +452,7 @@ class EngineConfig:
     mode: Literal["inprocess", "server"] = attrs.field(default="inprocess", validator=v.one_of("inprocess", "server"))
     #: attach to an engine server someone else started (``http://host:port``); implies
     #: mode="server". Shutdown then leaves that server running, and engine_processes reports none
-    server_url: str | None = attrs.field(default=None, validator=_check_server_url)
+    server_url: str | None = attrs.field(default=None, validator=v.server_url)
 
     def __attrs_post_init__(self) -> None:
         if not self.model:

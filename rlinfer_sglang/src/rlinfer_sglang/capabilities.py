@@ -125,7 +125,17 @@ DISCARD_CUDA_NOTE = (
     "release keeps the weights); release_memory_occupation has no per-call discard"
 )
 
+DETERMINISTIC_CPU_NOTE = (
+    "SGLang's deterministic inference needs one of its batch-invariant attention backends (fa3, fa4, "
+    "flashinfer, triton, ...); its CPU backends (torch_native, intel_amx) are not among them"
+)
+DETERMINISTIC_CUDA_NOTE = (
+    "SGLang --enable-deterministic-inference (batch-invariant kernels, per-request sampling seeds honoured) "
+    "with attention_backend triton, flashinfer or fa3"
+)
+
 CPU_NOTES = {
+    Capability.DETERMINISTIC.value: DETERMINISTIC_CPU_NOTE,
     Capability.MEMORY_RELEASE.value: (
         "SGLang on CPU frees nothing: release/resume_memory_occupation run but keep every byte, "
         "and its memory saver needs CUDA; use a GPU to release memory"
@@ -138,6 +148,7 @@ CPU_NOTES = {
 }
 
 CUDA_NOTES = {
+    Capability.DETERMINISTIC.value: DETERMINISTIC_CUDA_NOTE,
     Capability.MEMORY_RELEASE.value: (
         "SGLang torch_memory_saver (weights backed up to host memory, KV cache discarded); needs "
         "EngineConfig(enable_memory_release=True) at start"
@@ -200,7 +211,7 @@ def capabilities(
     notes = {**CUDA_NOTES, **SAMPLING_NOTES, **AGENT_NOTES, Capability.LORA.value: LORA_CUDA_NOTE}
     for capability in (*SAMPLING, *AGENT_CPU, Capability.WEIGHTS_CHECKSUM):
         notes[capability.value] = f"{CUDA_UNVERIFIED}; on CPU: {notes[capability.value]}"
-    supported = set(COMMON)
+    supported = set(COMMON) | {Capability.DETERMINISTIC}
     if memory_release is False:
         notes[Capability.MEMORY_RELEASE.value] = MEMORY_RELEASE_OFF_NOTE
     else:

@@ -17,6 +17,7 @@ gpu_memory_utilization         mem_fraction_static
 enable_prefix_caching=False    disable_radix_cache=True
 enable_memory_release (CUDA)   enable_memory_saver=True, enable_weights_cpu_backup=True
 enforce_eager                  disable_cuda_graph=True
+deterministic                  enable_deterministic_inference=True
 engine_kwargs                  passed through unchanged (they win)
 =============================  ===============================================================
 
@@ -158,6 +159,8 @@ def server_args(config: EngineConfig, platform: Platform) -> dict[str, Any]:
         args["disable_radix_cache"] = True
     if config.enforce_eager:
         args["disable_cuda_graph"] = True
+    if config.deterministic:
+        args["enable_deterministic_inference"] = True
     if platform == "cpu":
         args.update(
             attention_backend="torch_native",

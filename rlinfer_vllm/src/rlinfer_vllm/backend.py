@@ -36,7 +36,7 @@ from rlinfer_core.weights import (
 )
 from rlinfer_vllm.bench import BenchHooks
 from rlinfer_vllm.capabilities import capabilities, installed_engine, installed_platform
-from rlinfer_vllm.config import engine_args, resolve_platform
+from rlinfer_vllm.config import engine_args, engine_environment, resolve_platform
 from rlinfer_vllm.generation import Generation
 from rlinfer_vllm.load_gate import LoadGate
 from rlinfer_vllm.lora import LoraHooks
@@ -127,9 +127,10 @@ class VllmBackend(WeightHooks, MemoryHooks, BenchHooks, LoraHooks, Generation):
         except Exception as exc:
             raise BackendLoadError(f"vLLM rejected the engine configuration: {exc}") from exc
         try:  # from_engine_args blocks until the engine is up
-            llm = await processes.start_in_thread(
-                lambda: AsyncLLM.from_engine_args(args), lambda f: _shutdown_late(f, before)
-            )
+            with engine_environment(config):
+                llm = await processes.start_in_thread(
+                    lambda: AsyncLLM.from_engine_args(args), lambda f: _shutdown_late(f, before)
+                )
         except Exception as exc:
             processes.reap(processes.started_since(before), timeout_s=5.0)
             raise BackendLoadError(f"vLLM failed to start for model {config.model!r}: {exc}") from exc

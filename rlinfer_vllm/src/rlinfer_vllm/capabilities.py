@@ -94,6 +94,10 @@ CPU_NOTES = {
     Capability.WEIGHTS_TENSORS.value: "named tensors travel to the worker through shared memory",
     Capability.WEIGHTS_BROADCAST.value: "gloo group; the worker receives, checks finiteness, then loads",
     Capability.MEMORY_DISCARD_WEIGHTS.value: "needs memory.release, which vLLM on CPU does not do (see its note)",
+    Capability.DETERMINISTIC.value: (
+        "vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1) overrides CUDA/ROCm kernels only "
+        "(vllm.model_executor.determinism.batch_invariant); the CPU GEMMs pick their blocking by batch size"
+    ),
 }
 
 CUDA_NOTES = {
@@ -104,6 +108,10 @@ CUDA_NOTES = {
     Capability.WEIGHTS_TENSORS.value: "named tensors travel to the worker as CUDA IPC handles",
     Capability.WEIGHTS_BROADCAST.value: "NCCL group; the worker receives, checks finiteness, then loads",
     Capability.MEMORY_DISCARD_WEIGHTS.value: "vLLM sleep(level=2): weights and KV cache dropped, no host copy",
+    Capability.DETERMINISTIC.value: (
+        "vLLM's batch-invariant mode: VLLM_BATCH_INVARIANT=1 in the engine's processes (set while the engine "
+        "starts); needs an attention backend that supports it (FLASH_ATTN, TRITON_ATTN, FLEX_ATTENTION)"
+    ),
 }
 
 MEMORY_RELEASE_OFF_NOTE = (
@@ -154,7 +162,7 @@ def capabilities(
         else:
             supported.add(Capability.LORA)
     else:
-        notes.update({c.value: SERVER_MODE_NOTE for c in (*INPROCESS, Capability.LORA)})
+        notes.update({c.value: SERVER_MODE_NOTE for c in (*INPROCESS, Capability.LORA, Capability.DETERMINISTIC)})
     if platform == "cpu":
         return Capabilities(BACKEND, engine_version, "cpu", frozenset(supported), notes)
     if memory_release is False:
@@ -162,6 +170,8 @@ def capabilities(
         notes[Capability.MEMORY_DISCARD_WEIGHTS.value] = MEMORY_RELEASE_OFF_NOTE
     else:
         supported |= {Capability.MEMORY_RELEASE, Capability.MEMORY_DISCARD_WEIGHTS}
+    if inprocess:
+        supported.add(Capability.DETERMINISTIC)
     return Capabilities(BACKEND, engine_version, "cuda", frozenset(supported), notes)
 
 

@@ -5,6 +5,9 @@ Pure data: no vLLM import, so the mapping is unit-testable anywhere.
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from typing import Any
 
 from rlinfer_core.errors import BackendLoadError
@@ -82,3 +85,22 @@ def engine_args(config: EngineConfig, platform: Platform) -> dict[str, Any]:
     kwargs.update({k: v for k, v in optional.items() if v is not None})
     kwargs.update(config.engine_kwargs)
     return kwargs
+
+
+@contextlib.contextmanager
+def engine_environment(config: EngineConfig) -> Iterator[None]:
+    """The environment vLLM's processes must start with: ``VLLM_BATCH_INVARIANT=1`` for
+    ``config.deterministic`` (vLLM reads it in every process it starts, which inherit it); the
+    caller's environment is restored once the engine is up."""
+    if not config.deterministic:
+        yield
+        return
+    before = os.environ.get("VLLM_BATCH_INVARIANT")
+    os.environ["VLLM_BATCH_INVARIANT"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("VLLM_BATCH_INVARIANT", None)
+        else:
+            os.environ["VLLM_BATCH_INVARIANT"] = before

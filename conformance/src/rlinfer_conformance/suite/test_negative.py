@@ -43,6 +43,15 @@ def _bench(w: KitWorld) -> Any:
     return w.run_async(w.engine.async_engine.bench_raw_generate([GenerateRequest(prompt_token_ids=[1, 2])]))
 
 
+def _deterministic(w: KitWorld) -> Any:
+    """Refused before any engine process starts."""
+    import attrs
+
+    from rlinfer_core.engine import open_engine
+
+    return open_engine(w.backend, attrs.evolve(w.engine.async_engine.config, deterministic=True))
+
+
 PROBES: dict[Capability, Callable[[KitWorld], Any]] = {
     Capability.STREAM: _stream,
     Capability.CHAT: lambda w: w.engine.generate([GenerateRequest(messages=[ChatMessage("user", "hello")])]),
@@ -64,6 +73,7 @@ PROBES: dict[Capability, Callable[[KitWorld], Any]] = {
     Capability.WEIGHTS_DELTA: lambda w: w.engine.update_weights(
         WeightDelta(w.engine.weight_version, w.oracle.named_parameters(w.current)[:1])
     ),
+    Capability.DETERMINISTIC: _deterministic,
     Capability.PREFIX_CACHE_RESET: lambda w: w.engine.reset_prefix_cache(),
     Capability.WEIGHTS_CHECKSUM: lambda w: w.engine.verify_weights(w.oracle.named_parameters(BASE)),
     Capability.SAMPLING_MIN_P: _gen(temperature=1.0, min_p=0.1),

@@ -58,6 +58,8 @@ def server_capabilities(
         )
         for capability in WEIGHT_CAPS:
             drop[capability] = why
+    if not info.get("enable_deterministic_inference", False):
+        drop[Capability.DETERMINISTIC] = "the server was started without --enable-deterministic-inference"
     if base.platform == "cuda" and not info.get("enable_memory_saver", False):
         drop[Capability.MEMORY_RELEASE] = "the server was started without SGLang's memory saver (--enable-memory-saver)"
     return attrs.evolve(base, notes={**base.notes, **SERVER_NOTES}).without(drop)
