@@ -75,6 +75,10 @@ for s in "$@"; do
         done
         nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv
         df -h /dev/shm /tmp  # Ray's object store lives in /dev/shm (in /tmp, slower, when that is small)
+        python3 -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, torch.version.cuda, [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])'
+        for b in vllm sglang ray; do
+          installed "$b" && python3 -m pip list --path "$SITES/${b}_site" 2>/dev/null | grep -iE '^(vllm|sglang|sglang-kernel|ray|transformers) '
+        done
         first=$(for e in vllm sglang; do installed "$e" && echo "$e" && break; done)
         if installed ray && [ -n "$first" ]; then
           # the smoke test in an engine's environment, as the pool will run

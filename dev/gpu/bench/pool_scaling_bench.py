@@ -120,8 +120,10 @@ def start_ray(args: argparse.Namespace) -> None:
     from rlinfer_ray.cluster import WORKER_NICENESS
 
     extra: dict[str, Any] = {}
-    if args.device == "cuda" and args.broadcast:
-        extra["num_gpus"] = args.replicas
+    if args.device == "cuda":
+        # stated, not left to Ray's detection: the GPUs nvidia-smi lists (N of them for the
+        # replicas only when the trainer keeps GPU N for a broadcast)
+        extra["num_gpus"] = args.replicas if args.broadcast else len(gpu_names())
     ray.init(
         num_cpus=max(args.replicas, os.cpu_count() or 1),
         include_dashboard=False,
