@@ -31,7 +31,9 @@ MAX_TOKENS = 6
 
 
 class External:
-    """A vLLM server started outside rlinfer (with the flags the README gives for attaching)."""
+    """A vLLM server started outside rlinfer with the flags the README gives for attaching, but
+    without rlinfer's batch middleware (a plain server: generate falls back to one call per
+    request)."""
 
     def __init__(self, model: Path, base: Path) -> None:
         from rlinfer_vllm.config import engine_args
@@ -39,7 +41,10 @@ class External:
 
         config = EngineConfig(model=str(model), enforce_eager=True, **ENGINE_FIELDS)
         port = free_port()
-        self.process = ServerProcess(server_argv(engine_args(config, "cpu"), "127.0.0.1", port), log_dir=str(base))
+        argv = server_argv(engine_args(config, "cpu"), "127.0.0.1", port)
+        at = argv.index("--middleware")
+        del argv[at : at + 2]
+        self.process = ServerProcess(argv, log_dir=str(base))
         self.process.start(port)
         self.url = self.process.url
 
@@ -91,6 +96,12 @@ def _greedy(engine: Any) -> list[list[int]]:
 def test_attach_serves_reports_no_processes_and_leaves_the_server_running(
     server: External, models: tuple[Path, Path]
 ) -> None:
+    import httpx
+
+    from rlinfer_vllm.server_mode.batch_route import PATH
+
+    # premise: the server has no batch endpoint, so the greedy batch below went one call each
+    assert httpx.post(f"{server.url}{PATH}", json={"requests": []}, timeout=30.0).status_code == 404
     engine = _attach(models, server.url)
     try:
         assert engine.engine_processes() == {}, "an attached server is not this engine's to kill"
@@ -137,6 +148,7 @@ def test_server_options_are_the_engine_arguments() -> None:
         assert parsed[key] == SERVER_OVERRIDES.get(key, value), key
     assert (parsed["host"], parsed["port"], parsed["max_logprobs"]) == ("127.0.0.1", 8123, 21)
     assert parsed["enable_scale_out"] is True
+    assert parsed["middleware"] == ["rlinfer_vllm.server_mode.batch_route.BatchRoute"]
 
 
 def test_nothing_listening_is_a_load_error(models: tuple[Path, Path]) -> None:

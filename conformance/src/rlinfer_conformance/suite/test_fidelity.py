@@ -217,9 +217,9 @@ def _joined(request: GenerateRequest, deltas: list[CompletionDelta]) -> Completi
 
 def _skip_if_computed_before(world: KitWorld, request: GenerateRequest, completion: Completion, old: int) -> None:
     """Skip when every token carries the old version and matches the old weights: the engine
-    computed the whole request before the update, though the consumer still read it (a consumer
-    that lags the engine, e.g. over HTTP on loaded cores). The premise ``in_flight`` is the
-    caller's view, not the engine's."""
+    computed the whole request before the update, though the consumer may still have read it (a
+    consumer that lags the engine, e.g. over HTTP on loaded cores): the premise as the engine saw
+    it, where ``in_flight`` is the caller's view."""
     if set(completion.token_versions or ()) != {old}:
         return
     parity = world.oracle.check_versions({old: BASE}, request, completion)
@@ -255,12 +255,17 @@ def test_token_versions_across_pause_keep_update(rlinfer_base_weights: KitWorld)
     old = engine.weight_version
     engine.pause(PauseMode.KEEP)
     try:
-        assert request.request_id in engine.in_flight, "premise: the request is in flight across the update"
+        # the premise "in flight across the update" is the engine's: a request the caller no
+        # longer holds ended before the pause, and then every token is old
+        # (_skip_if_computed_before checks them against the old weights and skips)
+        in_flight = request.request_id in engine.in_flight
         new = world.update(Capability.WEIGHTS_TENSORS, OTHER)
     finally:
         engine.resume()
     completion = _joined(request, future.result(timeout=OP_TIMEOUT_S))
     assert completion.finish_reason is FinishReason.LENGTH
+    if not in_flight:
+        assert set(completion.token_versions or ()) == {old}, "a request that ended before the update is all old"
     _skip_if_computed_before(world, request, completion, old)
     _check_switch(world, request, completion, old, new)
 
