@@ -12,6 +12,8 @@
 #   Two-GPU steps (nvidia-h200-x2; dev/gpu/run_x2.sh drives them, docs/gpu.md "The 2-GPU run"):
 #   - tp2:         the conformance kit at tensor_parallel_size=2 (every engine it opens: the main
 #                  one, the extra architectures', the fault matrix's), verbose  -> $OUT/tp2-E.{json,log}
+#   - tp2-main, tp2-faults: the same kit without / with only the fault matrix (two processes that
+#                  can run side by side)                   -> $OUT/tp2-main-E.{json,log}, tp2-faults-E.{json,log}
 #   - pool:        dev/gpu/bench/pool_scaling_bench.py, 2 replicas (one GPU each) vs 1 (needs the
 #                  ray bundle: dev/gpu/install.sh ray)                          -> $OUT/pool-E.{json,log}
 #   - ray:         dev/gpu/ray_smoke.py (ray.init, an actor, one GPU bundle per GPU) -> $OUT/ray-E.json
@@ -102,17 +104,23 @@ for s in "${STEPS[@]}"; do
         --backend "$ENGINE" --model "$MODEL" --json-out "$OUT/weightsync-$ENGINE.json" \
         "${ENGINE_ARGS[@]}" ${RLINFER_GPU_WEIGHTSYNC_ARGS:-}
       ;;
-    tp2)
+    tp2 | tp2-main | tp2-faults)
       # same GPU defaults as the kit on one GPU: gpu_memory_utilization=0.2 per rank (the kit holds
       # up to 3 engines at once: main + an extra architecture's or a fault-matrix engine; with
-      # kv_cache_memory_bytes fixed by the kit, each really uses a few GB per GPU, so the vLLM and
-      # SGLang kits can share the two GPUs), eager mode for short starts
+      # kv_cache_memory_bytes fixed by the kit, each really uses a few GB per GPU, so kits can
+      # share the two GPUs), eager mode for short starts; a --basetemp of its own so that kits
+      # running at once never share or clean up each other's temp dirs. tp2-main leaves out the
+      # fault matrix (4 engine starts at TP=2), tp2-faults runs only it: run side by side, they
+      # halve the wall time of the kit
+      select=()
+      [ "$s" = tp2-main ] && select=(-k "not test_each_engine_process_killed_in_turn")
+      [ "$s" = tp2-faults ] && select=(-k "test_each_engine_process_killed_in_turn")
       # shellcheck disable=SC2086
-      step tp2 "$OUT/tp2-$ENGINE.log" python3 -m pytest \
+      step "$s" "$OUT/$s-$ENGINE.log" python3 -m pytest \
         "tests/backends/test_${ENGINE}_conformance.py" -v -p rlinfer_conformance \
-        --rlinfer-backend "$ENGINE" --rlinfer-report "$OUT/tp2-$ENGINE.json" \
+        --rlinfer-backend "$ENGINE" --rlinfer-report "$OUT/$s-$ENGINE.json" "${select[@]}" \
         "${KIT_ARGS[@]}" --rlinfer-config tensor_parallel_size=2 --rlinfer-config startup_timeout_s=300 \
-        --durations=12 ${RLINFER_GPU_PYTEST_ARGS:-}
+        --durations=12 --basetemp "/tmp/rlinfer-kit-$s-$ENGINE" ${RLINFER_GPU_PYTEST_ARGS:-}
       ;;
     pool)
       # shellcheck disable=SC2086

@@ -5,12 +5,15 @@
 #            skipped), check Ray (dev/gpu/ray_smoke.py: init, actor, a GPU bundle per GPU) and make
 #            the model                                                    -> $OUT/setup.txt, ray-smoke.json
 #   tp-kit   the conformance kit at tensor_parallel_size=2 for every installed engine AT ONCE
-#            (run_suite.sh E tp2; the two kits share the GPUs, see run_suite.sh), fault matrix and
-#            extra architectures included                                  -> $OUT/tp2-E.{json,log}
+#            (run_suite.sh E tp2; the kits share the GPUs, see run_suite.sh), fault matrix and
+#            extra architectures included; for the engines in RLINFER_X2_SPLIT (default: vllm) as
+#            two processes side by side, tp2-main and tp2-faults (the fault matrix alone: 4 engine
+#            starts at TP=2)          -> $OUT/tp2-sglang.{json,log}, tp2-{main,faults}-vllm.{json,log}
 #   pool     pool_scaling_bench.py: 2 replicas (one GPU each) vs 1, generate scaling (goal >= 1.9x)
 #            and weight sync to 2 vs 1 (goal <= 1.2x), by tensors and disk  -> $OUT/pool-E.{json,log}
-# Environment: RLINFER_X2_ENGINES (tp-kit: default every installed engine), RLINFER_X2_POOL_ENGINE
-# (default vllm), RLINFER_GPU_TIMEOUT (per step, default 540 s; a run call allows 600),
+# Environment: RLINFER_X2_ENGINES (tp-kit: default every installed engine), RLINFER_X2_SPLIT,
+# RLINFER_X2_POOL_ENGINE (default vllm), RLINFER_GPU_TIMEOUT (per step, default 540 s; a run call
+# allows 600; the kits: RLINFER_GPU_TIMEOUT_KIT, default 555 s),
 # RLINFER_GPU_PYTEST_ARGS / RLINFER_GPU_POOL_ARGS (passed on). At most 8 files go to $OUT.
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -93,18 +96,28 @@ for s in "$@"; do
       ;;
     tp-kit)
       pids=()
+      runs=()
       for e in $(engines); do
-        # each kit's output goes to its log only ($OUT/tp2-E.log, via run_suite.sh's step)
-        bash "$HERE/run_suite.sh" "$e" tp2 >/dev/null 2>&1 &
+        if [[ " ${RLINFER_X2_SPLIT-vllm} " == *" $e "* ]]; then
+          runs+=("$e tp2-main" "$e tp2-faults")
+        else
+          runs+=("$e tp2")
+        fi
+      done
+      for r in "${runs[@]}"; do
+        # each kit's output goes to its log only ($OUT/<step>-E.log, via run_suite.sh's step)
+        # shellcheck disable=SC2086
+        RLINFER_GPU_TIMEOUT=${RLINFER_GPU_TIMEOUT_KIT:-555} bash "$HERE/run_suite.sh" $r >/dev/null 2>&1 &
         pids+=($!)
-        echo "tp-kit: $e started (pid $!)"
+        echo "tp-kit: $r started (pid $!)"
       done
       for p in "${pids[@]}"; do wait "$p" || rc=1; done
-      for e in $(engines); do
-        echo "--- tp2-$e.log (tail)"
-        tail -n 25 "$OUT/tp2-$e.log" 2>/dev/null
+      for r in "${runs[@]}"; do
+        read -r e st <<< "$r"
+        echo "--- $st-$e.log (tail)"
+        tail -n 15 "$OUT/$st-$e.log" 2>/dev/null
       done
-      summary "$OUT"/tp2-*.json
+      summary "$OUT"/tp2*.json
       ;;
     pool)
       e=${RLINFER_X2_POOL_ENGINE:-vllm}
