@@ -8,7 +8,7 @@ VENVS := .venvs
 DEMO_BACKEND ?= vllm
 DEMO_OUT ?= out/demo
 
-.PHONY: env-core env-vllm env-sglang envs demo test lint typecheck test-core test-vllm test-sglang test-ray test-ray-sglang test-server test-wheels test-vllm-server test-sglang-server test-sglang-server-ci thorough clean-envs
+.PHONY: env-core env-vllm env-sglang envs demo test lint typecheck test-core test-vllm test-sglang test-ray test-ray-sglang test-server test-wheels test-vllm-server test-vllm-server-ci test-sglang-server test-sglang-server-ci thorough clean-envs
 
 env-core: $(VENVS)/core/.built
 env-vllm: $(VENVS)/vllm/.built
@@ -50,6 +50,12 @@ test-sglang: env-sglang
 test-vllm-server: env-vllm
 	timeout 2400 $(VENVS)/vllm/bin/rlinfer conformance --backend vllm --report out/conformance-vllm-server.json -- --rlinfer-config mode=server
 
+# the essential subset for CI (~3-4 min, in `make test`): the kit on one vLLM server engine
+# (generate through the batch endpoint, weights, versions, pause, abort, errors), without the
+# extra engines of the fault matrix and the extra architectures
+test-vllm-server-ci: env-vllm
+	timeout 900 $(VENVS)/vllm/bin/python -m pytest tests/backends/test_vllm_conformance.py -q -p no:cacheprovider --rlinfer-backend vllm --rlinfer-config mode=server -k "not killed_in_turn and not architecture" --rlinfer-report out/conformance-vllm-server-ci.json
+
 # the kit against the SGLang backend in server mode: a real `python -m sglang.launch_server` child
 # driven over HTTP (main engine, two extra architectures, fault matrix), then the attach tests
 test-sglang-server: env-sglang
@@ -85,7 +91,7 @@ test-server: env-vllm
 test-wheels:
 	PYTHON=$(PYTHON) bash dev/envs/test_wheels.sh
 
-test: lint typecheck test-core test-wheels test-vllm test-sglang test-sglang-server-ci test-ray test-server
+test: lint typecheck test-core test-wheels test-vllm test-vllm-server-ci test-sglang test-sglang-server-ci test-ray test-server
 
 # slower checks, not in `make test`: the kit in vLLM server mode alone takes ~15-25 min on 2 shared cores
 thorough: test test-vllm-server test-sglang-server test-ray-sglang
