@@ -56,6 +56,11 @@ for path in sys.argv[1:]:
               f"pool2/pool1 {fig.get('scaling_pool2_over_pool1')}; "
               f"sync 2/1 tensors {fig.get('sync_tensors_pool2_over_pool1')} disk {fig.get('sync_disk_pool2_over_pool1')} "
               f"(goal <= 1.2); errors {[e['phase'] + ': ' + e['error'][:200] for e in data.get('errors', [])]}")
+        answered = data.get("phases", {}).get("pool2", {}).get("weight_sync", {}).get("replica_answered_s", {})
+        for transport, updates in answered.items():  # overlapping loads end together
+            per = {i: sorted(float(u[i]) for u in updates if i in u) for i in sorted({k for u in updates for k in u})}
+            print(f"  pool2 {transport}: replicas answered after (median s) "
+                  + ", ".join(f"r{i} {v[len(v) // 2]:.3f}" for i, v in per.items() if v))
         continue
     failed = [k for k, t in data.get("tests", {}).items() if t.get("outcome") == "failed"]
     print(f"{path}: {data.get('summary')} in {data.get('wall_s')} s, max |dlogprob| "

@@ -183,6 +183,8 @@ def test_one_broadcast_reaches_every_replica(pool: Any, model_dirs: dict[str, Pa
     runs = _outputs_per_replica(pool)
     assert runs[0] == runs[1] != base[0]
     pool.update_weights(NamedTensors.of(_tensors(model_dirs["base"])))
+    answered = pool.pool.last_update_fanout_s
+    assert sorted(answered) == [0, 1] and all(s > 0 for s in answered.values()), answered
     assert _outputs_per_replica(pool) == base
 
 

@@ -142,6 +142,7 @@ class Phase:
         self.config = config
         self.replicas = replicas
         self.name = f"pool{replicas}" if replicas else "engine"
+        self.answered: dict[str, list[dict[int, float]]] = {}
 
     async def open(self) -> Any:
         from rlinfer_core.engine import AsyncEngine
@@ -190,6 +191,9 @@ class Phase:
                 "weights_on": args.weights_on,
                 "seconds": {k: {**spread(v), "samples": v} for k, v in seconds.items()},
                 "gb_per_s_median": {k: nbytes / statistics.median(v) / 1e9 for k, v in seconds.items()},
+                # per update (warm-up included): seconds from the fan-out's start until each
+                # replica answered (EnginePool.last_update_fanout_s)
+                "replica_answered_s": {k: v for k, v in self.answered.items() if v},
             }
             if self.replicas:
                 out["served_per_replica"] = [r.served for r in target.replicas.replicas]
@@ -215,12 +219,18 @@ class Phase:
         tensors = [NamedTensors(tuple(s)) for s in on_device]
         disk = [CheckpointDir(str(model)), CheckpointDir(str(sets[2]))]
 
+        answered = self.answered = {"tensors": [], "disk": []}
+
         async def by_tensors(which: int) -> None:
             await target.update_weights(tensors[which])
             _sync(device)
+            if self.replicas:  # when each replica answered: overlapping loads end together
+                answered["tensors"].append(dict(target.last_update_fanout_s))
 
         async def by_disk(which: int) -> None:
             await target.update_weights(disk[which])
+            if self.replicas:
+                answered["disk"].append(dict(target.last_update_fanout_s))
 
         sides: dict[str, Any] = {"tensors": by_tensors, "disk": by_disk}
         sender = None
@@ -269,10 +279,12 @@ def figures(phases: dict[str, Any], n: int) -> dict[str, Any]:
     many, one, alone = phases.get(f"pool{n}", {}), phases.get("pool1", {}), phases.get("engine", {})
 
     def tok(phase: dict[str, Any], side: str) -> float | None:
-        return phase.get("generate", {}).get("tok_per_s", {}).get(side, {}).get("median")
+        value = phase.get("generate", {}).get("tok_per_s", {}).get(side, {}).get("median")
+        return None if value is None else float(value)
 
     def sync(phase: dict[str, Any], transport: str) -> float | None:
-        return phase.get("weight_sync", {}).get("seconds", {}).get(transport, {}).get("median")
+        value = phase.get("weight_sync", {}).get("seconds", {}).get(transport, {}).get("median")
+        return None if value is None else float(value)
 
     if "paired_pool_over_one_replica" in many.get("generate", {}):
         out[f"scaling_pool{n}_over_one_replica_paired"] = many["generate"]["paired_pool_over_one_replica"]

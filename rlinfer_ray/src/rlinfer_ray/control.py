@@ -70,6 +70,9 @@ class ControlPlane:
         self._replay: Any = None
         #: broadcast group members: replica index -> actor generation that joined
         self._group_members: dict[int, int] = {}
+        #: the last weight update's fan-out: replica index -> seconds from the fan-out's start until
+        #: that replica answered (loads that overlap end together; serialised ones one after another)
+        self.last_update_fanout_s: dict[int, float] = {}
 
     # provided by EnginePool
     @property
@@ -225,12 +228,20 @@ class ControlPlane:
             raise EngineDead(
                 f"no replica of the pool can take weights: {[r.state.value for r in self.replicas.replicas]}"
             )
-        results = await self.replicas.fan_out(
-            members,
-            lambda r: self.replicas.call(
-                r, "update_weights", shipped, version=target, timeout=self.config.request_timeout_s
-            ),
-        )
+        fanned = time.perf_counter()
+        answered: dict[int, float] = {}
+
+        async def load(r: Replica) -> Any:
+            try:
+                return await self.replicas.call(
+                    r, "update_weights", shipped, version=target, timeout=self.config.request_timeout_s
+                )
+            finally:
+                answered[r.index] = time.perf_counter() - fanned
+
+        results = await self.replicas.fan_out(members, load)
+        self.last_update_fanout_s = answered
+        logger.debug("update to version %d: replicas answered after %s s", target, answered)
         loaded = [self.replicas.replicas[i] for i, res in results.items() if not isinstance(res, BaseException)]
         failed = {i: res for i, res in results.items() if isinstance(res, BaseException)}
         if not loaded:
