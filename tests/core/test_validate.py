@@ -136,3 +136,19 @@ def test_corrupt_bucket_is_rejected_before_anything_else() -> None:
     buckets[0].data[0] ^= 0xFF
     with pytest.raises(WeightUpdateError, match="corrupt bucket"):
         validate_source(Buckets(buckets), EXPECTED)
+
+
+def test_checkpoint_data_is_checked_where_it_is_read(tmp_path: Path) -> None:
+    from rlinfer_core.transfer.disk import read_checked
+
+    tensors = good()
+    poisoned = [(n, t.clone()) for n, t in tensors]
+    poisoned[0][1].view(-1)[1] = float("nan")
+    bad_dir = save_dir(poisoned, tmp_path / "bad")
+    # the facade reads the headers only: names, shapes and dtypes are right, so it passes ...
+    assert validate_source(CheckpointDir(str(bad_dir)), EXPECTED) > 0
+    # ... and the engine side refuses the data before loading any of it
+    with pytest.raises(WeightUpdateError) as info:
+        read_checked(bad_dir)
+    assert info.value.problems == (f"{poisoned[0][0]}: holds NaN or inf values",)
+    assert [n for n, _ in read_checked(save_dir(tensors, tmp_path / "ok"))] == sorted(n for n, _ in tensors)

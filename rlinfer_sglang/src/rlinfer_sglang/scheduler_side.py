@@ -99,9 +99,9 @@ def _gather(
             buckets.append(Bucket(m, data))
         return unpack_all(buckets, check=False)  # the caller's facade verified them before sending
     if op == "disk":
-        from rlinfer_core.transfer.disk import read_tensors
+        from rlinfer_core.transfer.disk import read_checked
 
-        return read_tensors(control["path"])  # the caller's facade checked this directory
+        return read_checked(control["path"], _device(model))  # the facade checked the headers only
     if op == "broadcast":
         from rlinfer_core.transfer.broadcast import receive
         from rlinfer_core.weights import TensorSpec

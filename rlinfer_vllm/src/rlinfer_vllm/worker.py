@@ -195,11 +195,12 @@ class RLInferWorkerExtension:
         return self._rlinfer_apply(tensors, map_s=time.perf_counter() - started)
 
     def rlinfer_load_dir(self, path: str) -> dict[str, float]:
-        """Load every tensor of a safetensors directory."""
-        from rlinfer_core.transfer.disk import read_tensors
+        """Load every tensor of a safetensors directory, all checked finite first."""
+        from rlinfer_core.transfer.disk import read_checked
 
         started = time.perf_counter()
-        tensors = read_tensors(path)
+        device = "cpu" if self.vllm_config.device_config.device_type == "cpu" else self.device
+        tensors = read_checked(path, device)  # the facade checked the headers only
         return self._rlinfer_apply(tensors, map_s=time.perf_counter() - started)
 
     def rlinfer_join_group(self, fields: dict[str, Any]) -> int:

@@ -175,9 +175,9 @@ class HFDouble:
 
             self._load(unpack_all(src.buckets))
         elif isinstance(src, CheckpointDir):
-            from rlinfer_core.transfer.disk import read_tensors
+            from rlinfer_core.transfer.disk import read_checked
 
-            self._load(read_tensors(src.path))
+            self._load(read_checked(src.path))
 
     @hookimpl
     async def rlinfer_reset_prefix_cache(self) -> None:

@@ -160,6 +160,15 @@ def _corrupt_file(w: KitWorld) -> Any:
     return CheckpointDir(str(path))
 
 
+def _nan_dir(w: KitWorld) -> Any:
+    """A well-formed checkpoint with one NaN: the facade reads headers only, the engine side
+    must refuse it before loading anything."""
+    from rlinfer_core.transfer.disk import save_dir
+
+    tensors = _poison(float("nan"))(w).tensors
+    return CheckpointDir(str(save_dir(list(tensors), w.tmp / "ckpt-nan")))
+
+
 def _missing_dir(w: KitWorld) -> Any:
     return CheckpointDir(str(w.tmp / "does-not-exist"))
 
@@ -176,6 +185,7 @@ FAULTS: dict[str, tuple[Capability, Callable[[KitWorld], Any]]] = {
     "corrupt_bucket_checksum": (Capability.WEIGHTS_BUCKETS, _corrupt_bucket),
     "inconsistent_manifest": (Capability.WEIGHTS_BUCKETS, _lying_manifest),
     "corrupt_safetensors": (Capability.WEIGHTS_DISK, _corrupt_file),
+    "disk_nan": (Capability.WEIGHTS_DISK, _nan_dir),
     "missing_checkpoint_dir": (Capability.WEIGHTS_DISK, _missing_dir),
     "broadcast_nan": (Capability.WEIGHTS_BROADCAST, _poison(float("nan"))),
     "update_while_released": (Capability.MEMORY_RELEASE, lambda w: None),

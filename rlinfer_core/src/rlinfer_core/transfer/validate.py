@@ -91,8 +91,10 @@ def check_tensors(tensors: list[tuple[str, torch.Tensor]], expected: Mapping[str
 def validate_source(source: WeightSource, expected: Mapping[str, TensorSpec]) -> int:
     """Validate any weight source against ``expected``; return the bytes it carries.
 
-    Broadcast sources are checked by spec only here; the receiving backend checks finiteness
-    of what arrives before loading any of it.
+    Checkpoint directories (by their safetensors headers) and broadcast sources are checked by
+    spec only here; the backend checks the finiteness of what it reads or receives, where it
+    lands, before loading any of it (:func:`rlinfer_core.transfer.disk.read_checked`): a second
+    pass over the files on the host would cost as much as the engine's whole reload.
     """
     match source:
         case NamedTensors():
@@ -102,9 +104,15 @@ def validate_source(source: WeightSource, expected: Mapping[str, TensorSpec]) ->
 
             return check_tensors(unpack_all(source.buckets, check=True), expected)
         case CheckpointDir():
-            from rlinfer_core.transfer.disk import read_tensors
+            from rlinfer_core.transfer.disk import read_specs
 
-            return check_tensors(read_tensors(source.path), expected)
+            specs = read_specs(source.path)
+            problems = spec_problems(specs.values(), expected)
+            if problems:
+                raise WeightUpdateError("weight update rejected", tuple(problems))
+            from rlinfer_core.transfer.buckets import to_dtype
+
+            return sum(s.numel * to_dtype(s.dtype).itemsize for s in specs.values())
         case BroadcastSource():
             problems = spec_problems(source.specs, expected)
             if problems:
