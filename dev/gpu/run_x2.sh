@@ -6,9 +6,9 @@
 #            the model                                                    -> $OUT/setup.txt, ray-smoke.json
 #   tp-kit   the conformance kit at tensor_parallel_size=2 for every installed engine AT ONCE
 #            (run_suite.sh E tp2; the kits share the GPUs, see run_suite.sh), fault matrix and
-#            extra architectures included; for the engines in RLINFER_X2_SPLIT (default: vllm) as
-#            two processes side by side, tp2-main and tp2-faults (the fault matrix alone: 4 engine
-#            starts at TP=2)          -> $OUT/tp2-sglang.{json,log}, tp2-{main,faults}-vllm.{json,log}
+#            extra architectures included; for the engines in RLINFER_X2_SPLIT (default: both) as
+#            two processes side by side, tp2-main and tp2-faults (the fault matrix alone: ~4 engine
+#            starts at TP=2)                          -> $OUT/tp2-{main,faults}-E.{json,log} (8 files)
 #   pool     pool_scaling_bench.py: 2 replicas (one GPU each) vs 1, generate scaling (goal >= 1.9x)
 #            and weight sync to 2 vs 1 (goal <= 1.2x), by tensors and disk  -> $OUT/pool-E.{json,log}
 # Environment: RLINFER_X2_ENGINES (tp-kit: default every installed engine), RLINFER_X2_SPLIT,
@@ -103,7 +103,7 @@ for s in "$@"; do
       pids=()
       runs=()
       for e in $(engines); do
-        if [[ " ${RLINFER_X2_SPLIT-vllm} " == *" $e "* ]]; then
+        if [[ " ${RLINFER_X2_SPLIT-vllm sglang} " == *" $e "* ]]; then
           runs+=("$e tp2-main" "$e tp2-faults")
         else
           runs+=("$e tp2")
