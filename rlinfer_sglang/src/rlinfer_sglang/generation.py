@@ -264,6 +264,7 @@ class Generation(InFlight):
                 top.append(s.logprobs)
         if not input_ids:
             return 0
+        self._cache_dirty = True  # the baseline skips the admission gate, but fills the radix cache
         outs = await self._guard(
             self._engine.async_generate(
                 input_ids=input_ids, sampling_params=params, return_logprob=True, top_logprobs_num=top

@@ -74,6 +74,7 @@ class WeightChannel(BackendBase):
         # SGLang >= 0.5.2x wraps tensor updates in begin/end_weight_update; 0.5.16 has neither.
         begin = getattr(io_struct, "BeginWeightUpdateReqInput", None)
         end = getattr(io_struct, "EndWeightUpdateReqInput", None)
+        flush = flush and self._cache_stale()  # else nothing cached that the old weights computed
         deferred = flush and begin is None
         if deferred:
             # 0.5.16's scheduler asserts that the post-update flush succeeded, and dies when a
@@ -110,9 +111,9 @@ class WeightChannel(BackendBase):
         elif not ok:
             raise WeightUpdateError(f"SGLang failed the update: {message}")
         elif flush:
-            self._cache_dirty = False
+            self._cache_dirty = self._active > 0  # running requests keep adding to the cache
         elif deferred:
-            self._cache_dirty = True
+            self._cache_dirty = True  # still: the facade's reset flushes
         if not end_ok:
             raise WeightUpdateError(f"SGLang failed to finish the weight update: {end_message}")
         return outcomes[0]
@@ -235,16 +236,21 @@ class WeightChannel(BackendBase):
             raise RLInferError(f"the SGLang scheduler could not join the weight group: {exc}") from exc
         self._group_name = group.group_name
 
+    def _cache_stale(self) -> bool:
+        """The radix cache may hold what older weights computed: a request ran since the last
+        flush, or one is running (it keeps adding to the cache after a flush)."""
+        return self._cache_dirty or self._active > 0
+
     @hookimpl
     async def rlinfer_reset_prefix_cache(self) -> None:
         """Flush SGLang's cache; running requests are retracted (recomputed) if they hold any."""
         from sglang.srt.managers.io_struct import ContinueGenerationReqInput, PauseGenerationReqInput
 
         tm = self._alive()
-        if not self._cache_dirty:
+        if not self._cache_stale():
             return
         if (await self._guard(tm.flush_cache())).success:
-            self._cache_dirty = False
+            self._cache_dirty = self._active > 0
             return
         if self._sglang_paused or self._memory_paused:
             raise RLInferError("SGLang refused to flush its cache while paused")
@@ -255,7 +261,7 @@ class WeightChannel(BackendBase):
             await self._guard(tm.continue_generation(ContinueGenerationReqInput()))
         if not flushed:
             raise RLInferError("SGLang refused to flush its cache")
-        self._cache_dirty = False
+        self._cache_dirty = self._active > 0
 
     @hookimpl
     async def rlinfer_bench_raw_weight_update(self, path: str) -> None:

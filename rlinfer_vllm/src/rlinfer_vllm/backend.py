@@ -358,15 +358,11 @@ class VllmBackend(WeightHooks, MemoryHooks, BenchHooks, LoraHooks, Generation):
         """Drop cached prefixes; running requests are preempted (recomputed) if they hold any.
         Nothing to do when no request reached the engine since the last reset."""
         llm = self._alive()
-        if not self._gate.cache_dirty:
+        if not self._gate.cache_stale:
             return
-        self._gate.cache_dirty = False
-        try:
-            if not await llm.reset_prefix_cache():
-                await llm.reset_prefix_cache(reset_running_requests=True)
-        except BaseException:
-            self._gate.cache_dirty = True
-            raise
+        if not await llm.reset_prefix_cache():
+            await llm.reset_prefix_cache(reset_running_requests=True)
+        self._gate.cache_was_reset()
 
 
 def _already_shut_down(timeout: float | None = None) -> None:

@@ -46,6 +46,16 @@ class LoadGate:
         self.cache_dirty = True
 
     @property
+    def cache_stale(self) -> bool:
+        """The prefix cache may hold blocks computed before now: a request ran since the last
+        reset, or one is running (it keeps adding blocks after a reset)."""
+        return self.cache_dirty or self._active > 0
+
+    def cache_was_reset(self) -> None:
+        """The prefix cache was just reset; requests still running count as having run since."""
+        self.cache_dirty = self._active > 0
+
+    @property
     def idle(self) -> bool:
         """No request of this backend is in the engine."""
         return self._active == 0

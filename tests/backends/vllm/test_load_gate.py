@@ -67,13 +67,18 @@ def test_abort_reaches_a_request_waiting_at_the_gate() -> None:
     assert asyncio.run(main()) == (False, True)
 
 
-def test_cache_dirty_tracks_requests_since_reset() -> None:
-    async def main() -> tuple[bool, bool]:
+def test_cache_is_stale_after_requests_and_while_they_run() -> None:
+    async def main() -> list[bool]:
         gate = LoadGate()
-        gate.cache_dirty = False  # as after a reset
-        clean = gate.cache_dirty
+        seen = [gate.cache_stale]  # nothing known at start
+        gate.cache_was_reset()
+        seen.append(gate.cache_stale)  # reset while idle: clean
         async with gate.enter("r1"):
-            pass
-        return clean, gate.cache_dirty
+            gate.cache_was_reset()  # a reset while r1 runs: r1 keeps adding blocks
+            seen.append(gate.cache_stale)
+        seen.append(gate.cache_stale)  # r1 ran since the reset
+        gate.cache_was_reset()
+        seen.append(gate.cache_stale)
+        return seen
 
-    assert asyncio.run(main()) == (False, True)
+    assert asyncio.run(main()) == [True, False, True, True, False]
