@@ -7,6 +7,8 @@
 #   - conformance: the conformance kit                                         -> $OUT/conformance-E.{json,log}
 #   - bench:       `rlinfer bench` (rlinfer vs raw engine) on that model        -> $OUT/bench-E.{json,log}
 #   - weightsync:  dev/gpu/bench/weight_sync_bench.py (CUDA-IPC GB/s, release/resume) -> $OUT/weightsync-E.{json,log}
+#   - bench-det:   `rlinfer bench` on a deterministic engine (EngineConfig.deterministic) -> $OUT/bench-det-E.{json,log}
+#   - bench-server: `rlinfer bench` in server mode vs an in-process twin       -> $OUT/bench-server-E.{json,log}
 #   - phase:       dev/gpu/bench/phase_switch_bench.py (release -> train -> resume -> update -> first token)
 #                                                                                -> $OUT/phase-E.{json,log}
 #   Two-GPU steps (nvidia-h200-x2; dev/gpu/run_x2.sh drives them, docs/gpu.md "The 2-GPU run"):
@@ -87,10 +89,13 @@ for s in "${STEPS[@]}"; do
       python3 "$HERE/make_model.py" "$MODEL" || rc=1
       ;;
     conformance)
+      # RLINFER_GPU_KIT_SELECT: a pytest -k expression (a subset of the kit)
+      select=()
+      [ -n "${RLINFER_GPU_KIT_SELECT:-}" ] && select=(-k "$RLINFER_GPU_KIT_SELECT")
       # shellcheck disable=SC2086
       step conformance "$OUT/conformance-$ENGINE.log" python3 -m pytest \
         "tests/backends/test_${ENGINE}_conformance.py" -q -p rlinfer_conformance \
-        --rlinfer-backend "$ENGINE" --rlinfer-report "$OUT/conformance-$ENGINE.json" \
+        --rlinfer-backend "$ENGINE" --rlinfer-report "$OUT/conformance-$ENGINE.json" "${select[@]}" \
         "${KIT_ARGS[@]}" ${RLINFER_GPU_PYTEST_ARGS:-}
       ;;
     bench)
@@ -98,6 +103,23 @@ for s in "${STEPS[@]}"; do
       step bench "$OUT/bench-$ENGINE.log" rlinfer bench --backend "$ENGINE" --model "$MODEL" \
         --dtype bfloat16 --prompts 128 --prompt-len 128 --max-tokens 512 --runs 9 \
         --json-out "$OUT/bench-$ENGINE.json" "${ENGINE_ARGS[@]}" ${RLINFER_GPU_BENCH_ARGS:-}
+      ;;
+    bench-det)
+      # the throughput cost of EngineConfig(deterministic=True): rlinfer vs raw on a deterministic
+      # engine, compared with the plain bench's tok/s (same batch, separate engine starts)
+      # shellcheck disable=SC2086
+      step bench-det "$OUT/bench-det-$ENGINE.log" rlinfer bench --backend "$ENGINE" --model "$MODEL" \
+        --dtype bfloat16 --prompts 128 --prompt-len 128 --max-tokens 512 --runs 3 --set deterministic=true \
+        --json-out "$OUT/bench-det-$ENGINE.json" "${ENGINE_ARGS[@]}" ${RLINFER_GPU_BENCH_ARGS:-}
+      ;;
+    bench-server)
+      # server mode (the engine's real HTTP server as a child) against an in-process twin of the
+      # same config, both on this GPU (0.4 of its memory each)
+      # shellcheck disable=SC2086
+      step bench-server "$OUT/bench-server-$ENGINE.log" rlinfer bench --backend "$ENGINE" --model "$MODEL" \
+        --dtype bfloat16 --prompts 128 --prompt-len 128 --max-tokens 512 --runs 5 --set mode=server \
+        --set gpu_memory_utilization=0.4 --set startup_timeout_s=400 \
+        --json-out "$OUT/bench-server-$ENGINE.json" "${ENGINE_ARGS[@]}" ${RLINFER_GPU_BENCH_ARGS:-}
       ;;
     weightsync)
       step weightsync "$OUT/weightsync-$ENGINE.log" python3 dev/gpu/bench/weight_sync_bench.py \
@@ -132,8 +154,10 @@ for s in "${STEPS[@]}"; do
       python3 "$HERE/ray_smoke.py" --json-out "$OUT/ray-$ENGINE.json" || rc=1
       ;;
     phase)
+      # shellcheck disable=SC2086
       step phase "$OUT/phase-$ENGINE.log" python3 dev/gpu/bench/phase_switch_bench.py \
-        --backend "$ENGINE" --model "$MODEL" --json-out "$OUT/phase-$ENGINE.json" "${ENGINE_ARGS[@]}"
+        --backend "$ENGINE" --model "$MODEL" --json-out "$OUT/phase-$ENGINE.json" "${ENGINE_ARGS[@]}" \
+        ${RLINFER_GPU_PHASE_ARGS:-}
       ;;
     *)
       echo "run_suite: unknown step '$s'" >&2
