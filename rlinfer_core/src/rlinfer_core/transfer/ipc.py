@@ -59,6 +59,14 @@ def pack_cuda(tensors: Sequence[tuple[str, torch.Tensor]]) -> list[Bucket] | Non
     """
     if not tensors or any(t.device.type != "cuda" for _, t in tensors):
         return None
+    import torch
+
     from rlinfer_core.transfer.buckets import pack
 
-    return pack(tensors, CUDA_BUCKET_BYTES, with_checksum=False)
+    buckets = pack(tensors, CUDA_BUCKET_BYTES, with_checksum=False)
+    # The receiver waits for the sender's stream only when it opens a handle for the first time;
+    # a bucket reusing a block it mapped before (the allocator hands the same block out again)
+    # would be read while the packing copies may still run: finish them before sharing.
+    for device in {t.device for _, t in tensors}:
+        torch.cuda.synchronize(device)
+    return buckets
