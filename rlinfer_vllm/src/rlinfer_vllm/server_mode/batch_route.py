@@ -47,9 +47,12 @@ async def _json_response(send: Send, status: int, body: Any) -> None:
 
 
 def _error(message: str, status: int = 400, param: str | None = None) -> dict[str, Any]:
+    from http import HTTPStatus
+
     from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 
-    return dict(create_error_response(message, status_code=status, param=param).model_dump())
+    error = create_error_response(message, HTTPStatus(status).phrase, HTTPStatus(status), param)
+    return dict(error.model_dump())
 
 
 def _authorized(app: Any, scope: Scope) -> bool:

@@ -1,0 +1,77 @@
+"""Server mode's batch endpoint (``rlinfer_vllm.server_mode.batch_route``) in a real ``vllm serve``.
+
+One launched server (tiny model, CPU): a batch with one request the server refuses raises
+InvalidRequest naming vLLM's reason and leaves the engine serving the oracle's tokens; the
+endpoint's own answers to a malformed body and a wrong method are 4xx JSON errors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm_test_helpers import ENGINE_FIELDS, PROMPTS, hf_greedy, state_dict
+
+from rlinfer_core.engine import open_engine
+from rlinfer_core.errors import InvalidRequest
+from rlinfer_core.tiny_model import make_tiny_model
+from rlinfer_core.types import GenerateRequest, SamplingParams
+
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("vllm-batch") / "seed0", seed=0)
+
+
+@pytest.fixture(scope="module")
+def engine(model: Path) -> Iterator[Any]:
+    engine = open_engine("vllm", model=str(model), mode="server", load_entry_point_plugins=False, **ENGINE_FIELDS)
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
+
+
+def _launched_url(engine: Any) -> str:
+    import psutil  # type: ignore[import-untyped,unused-ignore]
+
+    pid = engine.engine_processes()["APIServer"]
+    argv = psutil.Process(pid).cmdline()
+    return f"http://127.0.0.1:{argv[argv.index('--port') + 1]}"
+
+
+def test_refused_request_in_a_batch_raises_and_the_engine_keeps_serving(engine: Any, model: Path) -> None:
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    batch = [
+        GenerateRequest(prompt_token_ids=PROMPTS[0], sampling=greedy),
+        GenerateRequest(prompt_token_ids=[1], sampling=SamplingParams(max_tokens=2, n=64)),  # > max_num_seqs
+        GenerateRequest(prompt_token_ids=PROMPTS[1], sampling=greedy),
+    ]
+    with pytest.raises(InvalidRequest) as refused:
+        engine.generate(batch)
+    assert "max_num_seqs" in str(refused.value)
+    assert engine.in_flight == frozenset()
+    out = engine.generate([GenerateRequest(prompt_token_ids=p, sampling=greedy) for p in PROMPTS])
+    assert [list(c.token_ids) for c in out] == hf_greedy(model, state_dict(model), PROMPTS, MAX_TOKENS)
+
+
+def test_malformed_batch_bodies_are_4xx_json(engine: Any) -> None:
+    import httpx
+
+    from rlinfer_vllm.server_mode.batch_route import PATH
+
+    url = _launched_url(engine) + PATH
+    bad = httpx.post(url, json={"requests": "not a list"}, timeout=30.0)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "requests"
+    assert httpx.get(url, timeout=30.0).status_code == 405
+    lines = httpx.post(url, json={"requests": [{"token_ids": [1], "sampling_params": {"n": "x"}}]}, timeout=30.0)
+    assert lines.status_code == 200
+    (line,) = [x for x in lines.text.splitlines() if x]
+    assert '"status": 400' in line and "sampling_params" in line
