@@ -261,6 +261,10 @@ class VllmServerBackend(ServerWeightHooks, ServerMemoryHooks):
                 i, status, answer = int(line["index"]), int(line["status"]), line["body"]
                 request = requests[i]
                 self._inflight.discard(request.request_id)
+                if status >= 500:
+                    # a fresh look at the processes: a killed engine process is EngineDead now
+                    self._procs_checked_at = 0.0
+                    http.check_processes()
                 if status >= 300:
                     raise await http.error("/inference/v1/generate", status, answer)
                 results[i] = self._finish(request, prompts[i], answer, time.perf_counter() - started)

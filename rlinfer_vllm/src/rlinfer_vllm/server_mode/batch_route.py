@@ -105,7 +105,14 @@ async def _one(app: Any, scope: Scope, item: Any) -> tuple[int, Any]:
         return 400, _error("items of a batch cannot stream", 400, "stream")
     try:
         answer = await handler.serve_tokens(request, None)
-    except Exception as exc:  # what vLLM's exception handlers do for the single-request route
+    except Exception as exc:
+        # the app's own exception handler, as for the single-request route (a dead engine core
+        # also makes vLLM stop the server there)
+        for cls in type(exc).__mro__:
+            registered = getattr(app, "exception_handlers", {}).get(cls)
+            if registered is not None:
+                response = await registered(Request(scope), exc)
+                return response.status_code, json.loads(bytes(response.body))
         error = create_error_response(exc)
         return int(error.error.code), error.model_dump()
     if isinstance(answer, ErrorResponse):
