@@ -34,12 +34,19 @@ from rlinfer_core.weights import (
     TensorSpec,
 )
 from rlinfer_sglang.agent import AgentHooks
-from rlinfer_sglang.capabilities import OVERLAP_NOTE, capabilities, installed_platform, installed_version
+from rlinfer_sglang.capabilities import (
+    OVERLAP_NOTE,
+    PAUSE_KEEP_OLD_SGLANG_NOTE,
+    capabilities,
+    installed_platform,
+    installed_version,
+)
 from rlinfer_sglang.config import resolve_platform
 from rlinfer_sglang.generation import Generation
 from rlinfer_sglang.memory import Memory
 from rlinfer_sglang.supervision import Supervision
 from rlinfer_sglang.versions import TokenVersions
+from rlinfer_sglang.weight_channel import flush_needs_idle
 
 if TYPE_CHECKING:
     from sglang.srt.entrypoints.engine import Engine
@@ -162,6 +169,7 @@ class SGLangBackend(Supervision, Generation, Memory, AgentHooks):
         return str(snapshot_download(self.config.model, allow_patterns=["*.safetensors", "*.json"]))
 
     def _runtime_capabilities(self) -> Capabilities:
+        """What this engine can do once started (its configuration and SGLang version decide)."""
         off: dict[Capability, str] = {}
         if getattr(getattr(self._tm, "tokenizer", None), "chat_template", None) is None:
             off[Capability.CHAT] = "the model's tokenizer has no chat template"
@@ -169,6 +177,8 @@ class SGLangBackend(Supervision, Generation, Memory, AgentHooks):
             off[Capability.WEIGHTS_CHECKSUM] = AMX_NOTE
         if not getattr(getattr(self._tm, "server_args", None), "disable_overlap_schedule", True):
             off[Capability.SAMPLING_PENALTIES] = OVERLAP_NOTE
+        if flush_needs_idle():
+            off[Capability.PAUSE_KEEP] = PAUSE_KEEP_OLD_SGLANG_NOTE
         return self._caps.without(off)
 
     @hookimpl

@@ -96,6 +96,12 @@ SAMPLING_NOTES = {
 
 CUDA_UNVERIFIED = "verified on CPU only; on CUDA SGLang samples with other kernels (not verified yet)"
 
+PAUSE_KEEP_OLD_SGLANG_NOTE = (
+    "this SGLang (no begin/end_weight_update, e.g. 0.5.16) refuses to flush its cache while pause(keep) "
+    "holds requests, and a weight update must flush it: measured on an H100 (the flush fails, and "
+    "SGLang's own post-update flush assertion kills the scheduler); use pause(wait) or pause(abort)"
+)
+
 OVERLAP_NOTE = (
     "SGLang's overlap scheduler is on: rlinfer's penalties would read output ids one token late; "
     "start with engine_kwargs={'disable_overlap_schedule': True}"

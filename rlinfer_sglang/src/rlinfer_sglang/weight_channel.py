@@ -151,19 +151,40 @@ class WeightChannel(BackendBase):
         # model-update lock); rlinfer applies it between engine steps, as vLLM does: running
         # requests are retracted (they keep their tokens) for the update and continue after it
         hold = self._active > 0 and not self._sglang_paused and not self._memory_paused
-        if hold:
-            await self._sglang_pause_retract()
-        try:
-            outcome = await self._load(update, snapshot)
-        finally:
+        if hold and flush_needs_idle() and self._gate is not None and self._gate.is_set():
+            # this SGLang refuses to flush its cache while any request is pending, a retracted
+            # one included: the update waits for the running requests (SGLang's own semantics),
+            # new ones wait at the gate, and every token keeps the version that computed it
+            outcome = await self._load_when_idle(update, snapshot)
+        else:
             if hold:
-                await self._sglang_continue()
+                await self._sglang_pause_retract()
+            try:
+                outcome = await self._load(update, snapshot)
+            finally:
+                if hold:
+                    await self._sglang_continue()
         version = update.version if update.version is not None else self._versions.current + 1
         lengths = outcome.get("lengths")
         if lengths is None:
             logger.warning("the scheduler did not report request lengths; in-flight tokens keep the old version")
             lengths, dispatched = {}, set(in_flight)
         self._versions.loaded(version, in_flight, dispatched, lengths)
+
+    async def _load_when_idle(self, update: WeightUpdate, snapshot: Callable[[], None]) -> dict[str, Any]:
+        assert self._gate is not None and self._idle is not None
+        self._gate.clear()
+        try:
+            try:
+                await self._guard(asyncio.wait_for(self._idle.wait(), timeout=self.config.request_timeout_s))
+            except TimeoutError as exc:
+                raise WeightUpdateError(
+                    f"the requests in flight did not finish within {self.config.request_timeout_s:.0f} s; "
+                    "nothing was loaded (this SGLang loads only between requests: pause(abort) first)"
+                ) from exc
+            return await self._load(update, snapshot)
+        finally:
+            self._gate.set()
 
     async def _sglang_pause_retract(self) -> None:
         from sglang.srt.managers.io_struct import PauseGenerationReqInput
@@ -280,3 +301,11 @@ class WeightChannel(BackendBase):
             raise WeightUpdateError(f"SGLang update_weights_from_disk failed: {message}")
         self._cache_dirty = deferred_flush
         await self.rlinfer_reset_prefix_cache()
+
+
+def flush_needs_idle() -> bool:
+    """SGLang without begin/end_weight_update (0.5.16) refuses to flush its cache while any
+    request is pending; its weight updates then wait for the running requests."""
+    from sglang.srt.managers import io_struct
+
+    return not hasattr(io_struct, "BeginWeightUpdateReqInput")
