@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from rlinfer_core import engine as rl_engine
-    from rlinfer_core.types import EngineConfig, GenerateRequest, SamplingParams, parse_assignments
+    from rlinfer_core.types import Capability, EngineConfig, GenerateRequest, SamplingParams, parse_assignments
     from rlinfer_core.weights import NamedTensors
 
     if not torch.cuda.is_available():
@@ -251,6 +251,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             # the facade's event: everything after validation (pack, transfer, load, prefix reset)
             update["breakdown"]["backend_s"] = statistics.median(update_times.seconds)
             after_a = tokens()
+            if engine.capabilities.supports(Capability.WEIGHTS_CHECKSUM):
+                # the served weights against A, bit for bit, computed inside the engine
+                check = engine.verify_weights(a)
+                update["verify_after_round_trip"] = {"ok": check.ok, "mismatched": list(check.mismatched)[:10]}
             update["sanity"] = {
                 "b_differs_from_a_prefix_agreement": prefix_agreement(base, after_b),
                 "round_trip_prefix_agreement": prefix_agreement(base, after_a),
