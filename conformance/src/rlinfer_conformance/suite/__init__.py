@@ -6,6 +6,7 @@ from rlinfer_conformance.suite import *  # noqa: F403
 from rlinfer_conformance.suite.test_agent import *  # noqa: F403
 from rlinfer_conformance.suite.test_architectures import *  # noqa: F403
 from rlinfer_conformance.suite.test_control import *  # noqa: F403
+from rlinfer_conformance.suite.test_deterministic import *  # noqa: F403
 from rlinfer_conformance.suite.test_discard_weights import *  # noqa: F403
 from rlinfer_conformance.suite.test_faults import *  # noqa: F403
 from rlinfer_conformance.suite.test_fidelity import *  # noqa: F403

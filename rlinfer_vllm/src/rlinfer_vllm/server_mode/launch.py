@@ -66,8 +66,14 @@ def free_port(host: str = HOST) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    try:
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError as exc:  # measured on the GPU bundle's vLLM 0.26.0
+        raise BackendLoadError(
+            f"vLLM server mode needs vLLM 0.32 (its launcher and token-endpoint modules); this vLLM lacks them "
+            f"({exc}); use mode='inprocess' here"
+        ) from exc
 
     parser: argparse.ArgumentParser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
     return parser
