@@ -32,10 +32,10 @@ def bundle(monkeypatch: pytest.MonkeyPatch) -> tuple[ModuleType, list[str]]:
     return module, built
 
 
-def test_no_engine_argument_builds_every_engine(bundle: tuple[ModuleType, list[str]]) -> None:
+def test_no_engine_argument_builds_every_bundle(bundle: tuple[ModuleType, list[str]]) -> None:
     module, built = bundle
     assert module.main([]) == 0
-    assert built == sorted(module.RECIPES) == ["sglang", "vllm"]
+    assert built == sorted(module.RECIPES) == ["ray", "sglang", "vllm"]
 
 
 def test_one_engine_and_an_unknown_one(bundle: tuple[ModuleType, list[str]]) -> None:

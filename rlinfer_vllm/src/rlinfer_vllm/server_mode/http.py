@@ -12,8 +12,9 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from typing import Any
 
 from rlinfer_core.errors import EngineDead, EngineTimeout, InvalidRequest, RLInferError
@@ -215,10 +216,31 @@ class ServerClient:
     async def ndjson(self, path: str, body: Any) -> AsyncIterator[Any]:
         """POST ``body`` and yield each line's JSON of an NDJSON answer; :class:`RouteMissing` if
         the server has no ``path`` (404). Closing the iterator closes the connection."""
+        async with contextlib.aclosing(self._lines(path, body, route_may_be_missing=True)) as lines:
+            async for line in lines:
+                if line:
+                    yield json.loads(line)
+
+    async def stream(self, path: str, body: Any) -> AsyncIterator[Any]:
+        """POST ``body`` and yield each server-sent event's JSON (``data: ...``) until ``[DONE]``.
+
+        Closing the iterator closes the connection, which aborts the request in vLLM.
+        """
+        async with contextlib.aclosing(self._lines(path, body)) as lines:
+            async for line in lines:
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: ") :]
+                if data == "[DONE]":
+                    return
+                yield json.loads(data)
+
+    async def _lines(self, path: str, body: Any, *, route_may_be_missing: bool = False) -> AsyncGenerator[str, None]:
+        """POST ``body`` and yield the answer's lines; HTTP errors and connection loss typed."""
         self.check_processes()
         try:
             async with self.client.stream("POST", path, json=body) as response:
-                if response.status_code == 404:
+                if route_may_be_missing and response.status_code == 404:
                     raise RouteMissing(path)
                 if response.status_code >= 300:
                     await response.aread()
@@ -226,38 +248,7 @@ class ServerClient:
                     if isinstance(error, InvalidRequest):
                         raise error
                 async for line in response.aiter_lines():
-                    if line:
-                        yield json.loads(line)
-        except RLInferError:
-            raise
-        except GeneratorExit:
-            raise
-        except Exception as exc:
-            translated = await self.translate(path, exc)
-            if translated is exc:
-                raise
-            raise translated from exc
-
-    async def stream(self, path: str, body: Any) -> AsyncIterator[Any]:
-        """POST ``body`` and yield each server-sent event's JSON (``data: ...``) until ``[DONE]``.
-
-        Closing the iterator closes the connection, which aborts the request in vLLM.
-        """
-        self.check_processes()
-        try:
-            async with self.client.stream("POST", path, json=body) as response:
-                if response.status_code >= 300:
-                    await response.aread()
-                    error = await self.check(path, response)
-                    if isinstance(error, InvalidRequest):
-                        raise error
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    data = line[len("data: ") :]
-                    if data == "[DONE]":
-                        return
-                    yield json.loads(data)
+                    yield line
         except RLInferError:
             raise
         except GeneratorExit:
