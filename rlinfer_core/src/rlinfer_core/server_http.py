@@ -15,6 +15,7 @@ when it was attached to.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar
@@ -190,6 +191,11 @@ class ServerClient:
         body = self._body(response)
         if status < 300:
             return body
+        return await self.error(path, status, body)
+
+    async def error(self, path: str, status: int, body: Any) -> InvalidRequest:
+        """The typed error of an error answer (``status`` >= 300, its ``body``): an
+        InvalidRequest is returned for a 4xx; EngineDead or ServerError are raised for a 5xx."""
         param, message = error_message(body)
         if status < 500:
             return InvalidRequest(
@@ -198,6 +204,20 @@ class ServerClient:
         if await self._gone():
             raise await self._dead(path, f"HTTP {status}: {message}")
         raise ServerError(self.engine, path, status, message)
+
+    @contextlib.asynccontextmanager
+    async def typed_errors(self, path: str) -> AsyncIterator[None]:
+        """Errors of a call to ``path`` raised in the block become rlinfer's (:meth:`translate`);
+        rlinfer's own errors and a closed generator's GeneratorExit pass through."""
+        try:
+            yield
+        except (RLInferError, GeneratorExit):
+            raise
+        except Exception as exc:
+            translated = await self.translate(path, exc)
+            if translated is exc:
+                raise
+            raise translated from exc
 
     async def request(
         self,
@@ -251,34 +271,24 @@ class ServerClient:
         Closing the iterator closes the connection (engines abort the request then).
         """
         self.check_processes()
-        try:
-            async with self.client.stream("POST", path, json=body) as response:
-                if response.status_code >= 300:
-                    await response.aread()
-                    error = await self.check(path, response)
-                    if isinstance(error, InvalidRequest):
-                        raise error
-                lines = response.aiter_lines()
-                while True:
-                    try:
-                        line = await self.watched(anext(lines))
-                    except StopAsyncIteration:
-                        break
-                    if not line.startswith("data: "):
-                        continue
-                    data = line[len("data: ") :]
-                    if data == "[DONE]":
-                        return
-                    yield json.loads(data)
-        except RLInferError:
-            raise
-        except GeneratorExit:
-            raise
-        except Exception as exc:
-            translated = await self.translate(path, exc)
-            if translated is exc:
-                raise
-            raise translated from exc
+        async with self.typed_errors(path), self.client.stream("POST", path, json=body) as response:
+            if response.status_code >= 300:
+                await response.aread()
+                error = await self.check(path, response)
+                if isinstance(error, InvalidRequest):
+                    raise error
+            lines = response.aiter_lines()
+            while True:
+                try:
+                    line = await self.watched(anext(lines))
+                except StopAsyncIteration:
+                    break
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: ") :]
+                if data == "[DONE]":
+                    return
+                yield json.loads(data)
 
 
 __all__ = ["CONNECT_TIMEOUT_S", "HEALTH_TIMEOUT_S", "ServerClient", "ServerError", "error_message"]

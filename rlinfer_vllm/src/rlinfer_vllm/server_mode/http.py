@@ -17,21 +17,9 @@ import json
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from typing import Any
 
-from rlinfer_core.errors import EngineDead, EngineTimeout, InvalidRequest, RLInferError
-
-#: connecting to a loopback server takes microseconds; a server that does not accept within this
-#: is gone or wedged
-CONNECT_TIMEOUT_S = 5.0
-#: how long a liveness probe (/health) may take before the server counts as dead
-HEALTH_TIMEOUT_S = 5.0
-
-
-class ServerError(RLInferError):
-    """The server answered 5xx but still answers /health: the operation failed, the engine lives."""
-
-    def __init__(self, path: str, status: int, message: str) -> None:
-        self.status = status
-        super().__init__(f"the vLLM server failed {path} (HTTP {status}): {message}")
+from rlinfer_core import server_http
+from rlinfer_core.errors import InvalidRequest, RLInferError
+from rlinfer_core.server_http import CONNECT_TIMEOUT_S, HEALTH_TIMEOUT_S
 
 
 class RouteMissing(RLInferError):
@@ -46,111 +34,27 @@ def b64(data: bytes) -> dict[str, str]:
     return {"b64": base64.b64encode(data).decode("ascii")}
 
 
-def _error_message(body: Any) -> tuple[str | None, str]:
-    """(param, message) from vLLM's ``{"error": {...}}``, FastAPI's ``{"detail": ...}`` or text."""
-    if isinstance(body, Mapping):
-        error = body.get("error")
-        if isinstance(error, Mapping):
-            return error.get("param"), str(error.get("message", error))
-        if isinstance(error, str):
-            return None, error
-        detail = body.get("detail")
-        if isinstance(detail, list) and detail and isinstance(detail[0], Mapping):  # pydantic errors
-            loc = [str(x) for x in detail[0].get("loc", ()) if x not in ("body", "query")]
-            return (loc[-1] if loc else None), str(detail[0].get("msg", detail))
-        if detail is not None:
-            return None, str(detail)
-    return None, str(body)
-
-
-class ServerClient:
-    """An ``httpx.AsyncClient`` bound to one server; ``alive`` says whether the server's
-    processes still run (launched servers; attached ones: None)."""
+class ServerClient(server_http.ServerClient):
+    """The core's client bound to a vLLM server (typed errors, process and /health liveness),
+    plus what vLLM's server needs: a resend over a keep-alive connection the server closed,
+    calls on a connection of their own, worker RPCs, NDJSON and SSE answers. ``alive`` returns
+    the pids of a launched server's processes that exited (attached servers: None)."""
 
     def __init__(self, url: str, timeout_s: float, alive: Callable[[], list[int]] | None = None) -> None:
-        import httpx
-
-        self.url = url
-        self.timeout_s = timeout_s
-        self._dead_pids = alive
-        self.client = httpx.AsyncClient(
-            base_url=url,
-            timeout=httpx.Timeout(timeout_s, connect=CONNECT_TIMEOUT_S),
-            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
-        )
-
-    async def aclose(self) -> None:
-        """Close the connection pool."""
-        await self.client.aclose()
-
-    def check_processes(self) -> None:
-        """EngineDead if one of a launched server's processes exited."""
-        if self._dead_pids is not None:
-            gone = self._dead_pids()
-            if gone:
-                raise EngineDead(f"vLLM server process(es) {gone} died; open a new engine")
+        super().__init__(url, timeout_s, "vLLM", dead_pids=alive)
 
     async def healthy(self) -> bool:
-        """Whether the server answers /health with 200 (and its processes run)."""
+        """Whether the server answers /health with 200 (and its processes run); the probe is
+        resent once over a connection the server closed."""
         import httpx
 
         if self._dead_pids is not None and self._dead_pids():
             return False
         try:
-            response = await self._send("GET", "/health", True, timeout=HEALTH_TIMEOUT_S)
+            response = await self._send("GET", self.health_path, True, timeout=HEALTH_TIMEOUT_S)
         except httpx.HTTPError:
             return False
         return bool(response.status_code == 200)
-
-    async def _dead(self, path: str, exc: BaseException | str) -> EngineDead:
-        self.check_processes()
-        return EngineDead(f"the vLLM server at {self.url} stopped answering ({path}: {exc}); open a new engine")
-
-    async def translate(self, path: str, exc: BaseException) -> BaseException:
-        """rlinfer's error for an httpx exception raised by a call to ``path``."""
-        import httpx
-
-        if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
-            if await self.healthy():
-                return EngineTimeout(f"the vLLM server did not answer {path} within its timeout ({exc!r})")
-            return await self._dead(path, exc)
-        if isinstance(exc, httpx.TransportError):  # refused, reset, closed mid-answer
-            return await self._dead(path, exc)
-        return exc
-
-    async def check(self, path: str, response: Any) -> Any:
-        """The JSON body of a 2xx answer (None when empty); typed errors otherwise."""
-        status = response.status_code
-        if status < 300:
-            if not response.content:
-                return None
-            try:
-                return response.json()
-            except ValueError:
-                return response.text
-        try:
-            body = response.json()
-        except ValueError:
-            body = response.text
-        return await self.error(path, status, body)
-
-    async def error(self, path: str, status: int, body: Any) -> InvalidRequest:
-        """The typed error of an error answer (``status`` >= 300, JSON ``body``): InvalidRequest
-        for 4xx is returned; EngineDead or ServerError for 5xx are raised."""
-        param, message = _error_message(body)
-        if status < 500:
-            return InvalidRequest(param or "request", f"the vLLM server refused {path} (HTTP {status}): {message}")
-        if await self._gone():
-            raise await self._dead(path, f"HTTP {status}: {message}")
-        raise ServerError(path, status, message)
-
-    async def _gone(self) -> bool:
-        """After a 5xx: whether the server is dead. A launched server's processes say it for sure
-        (a slow /health on a loaded machine must not turn a failed operation into EngineDead);
-        an attached server must answer /health."""
-        if self._dead_pids is not None:
-            return bool(self._dead_pids())
-        return not await self.healthy()
 
     async def _send(self, method: str, path: str, retry: bool, **kwargs: Any) -> Any:
         """One request; a call that may run twice (``retry``) is sent again once when a pooled
@@ -190,11 +94,12 @@ class ServerClient:
             raise result
         return result
 
-    async def get(self, path: str) -> Any:
-        """GET ``path``; the answer's JSON."""
+    async def get(self, path: str, timeout_s: float | None = None) -> Any:
+        """GET ``path``; the answer's JSON (resent once over a connection the server closed)."""
         self.check_processes()
+        timeout = timeout_s if timeout_s is not None else self.timeout_s
         try:
-            response = await self._send("GET", path, True)
+            response = await self._send("GET", path, True, timeout=timeout)
         except Exception as exc:
             raise await self.translate(path, exc) from exc
         result = await self.check(path, response)
@@ -238,23 +143,13 @@ class ServerClient:
     async def _lines(self, path: str, body: Any, *, route_may_be_missing: bool = False) -> AsyncGenerator[str, None]:
         """POST ``body`` and yield the answer's lines; HTTP errors and connection loss typed."""
         self.check_processes()
-        try:
-            async with self.client.stream("POST", path, json=body) as response:
-                if route_may_be_missing and response.status_code == 404:
-                    raise RouteMissing(path)
-                if response.status_code >= 300:
-                    await response.aread()
-                    error = await self.check(path, response)
-                    if isinstance(error, InvalidRequest):
-                        raise error
-                async for line in response.aiter_lines():
-                    yield line
-        except RLInferError:
-            raise
-        except GeneratorExit:
-            raise
-        except Exception as exc:
-            translated = await self.translate(path, exc)
-            if translated is exc:
-                raise
-            raise translated from exc
+        async with self.typed_errors(path), self.client.stream("POST", path, json=body) as response:
+            if route_may_be_missing and response.status_code == 404:
+                raise RouteMissing(path)
+            if response.status_code >= 300:
+                await response.aread()
+                error = await self.check(path, response)
+                if isinstance(error, InvalidRequest):
+                    raise error
+            async for line in response.aiter_lines():
+                yield line

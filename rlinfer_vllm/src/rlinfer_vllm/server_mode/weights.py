@@ -24,6 +24,7 @@ from rlinfer_core.checksum import WeightChecksum
 from rlinfer_core.errors import RLInferError, WeightUpdateError
 from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.model_info import ModelInfo
+from rlinfer_core.server_http import ServerError
 from rlinfer_core.types import Capabilities, Capability, EngineConfig, GenerateRequest, PauseMode
 from rlinfer_core.weights import (
     BroadcastGroup,
@@ -31,7 +32,7 @@ from rlinfer_core.weights import (
     WeightUpdate,
 )
 from rlinfer_vllm.capabilities import Platform
-from rlinfer_vllm.server_mode.http import ServerClient, ServerError, b64
+from rlinfer_vllm.server_mode.http import ServerClient, b64
 from rlinfer_vllm.weights import check_group, checksums, prepare_source, send_source
 
 logger = logging.getLogger("rlinfer_vllm.server_mode")
