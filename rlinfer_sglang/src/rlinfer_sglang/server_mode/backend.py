@@ -32,6 +32,7 @@ from rlinfer_sglang.server_mode.caps import server_capabilities
 from rlinfer_sglang.server_mode.generation import Generation
 from rlinfer_sglang.server_mode.launch import SERVER_ROLE, make_server, role_of, server_argv, server_env
 from rlinfer_sglang.server_mode.memory import ServerMemory
+from rlinfer_sglang.server_mode.weights import has_begin_end
 from rlinfer_sglang.versions import TokenVersions
 
 #: how often calls look for exited server processes
@@ -83,6 +84,8 @@ class SGLangServerBackend(ServerMemory, Generation, AgentHooks):
         self._versions = TokenVersions()
         self._pause_lock = asyncio.Lock()
         self._background = set()
+        self._begin_end = True
+        self._flush_needs_idle = False
         self._dead_pids: list[int] = []
         self._procs_checked_at = 0.0
         self.start_seconds: float | None = None
@@ -152,10 +155,12 @@ class SGLangServerBackend(ServerMemory, Generation, AgentHooks):
         )
         if not ok:
             raise BackendLoadError(f"the SGLang server refused its weight-version label: {message}")
+        self._begin_end = await has_begin_end(http)
+        self._flush_needs_idle = not self._begin_end
         chat = getattr(self._tokenizer, "chat_template", None) is not None
         from rlinfer_sglang.backend import _amx_repacks
 
-        self._caps = server_capabilities(self._caps, info, url, chat, _amx_repacks())
+        self._caps = server_capabilities(self._caps, info, url, chat, _amx_repacks(), begin_end=self._begin_end)
 
     def _load_tokenizer(self) -> Any:
         """The model's tokenizer, loaded as SGLang loads it (None when it cannot be loaded here)."""

@@ -50,6 +50,13 @@ class ServerBase:
     _versions: TokenVersions
     _pause_lock: asyncio.Lock
     _background: set[asyncio.Task[Any]]
+    #: the server has /begin_weight_update and /end_weight_update (SGLang >= 0.5.2x; 0.5.16 has
+    #: neither): found at start
+    _begin_end: bool
+    #: the server flushes its cache only when no request is pending, a retracted one included, and
+    #: its scheduler dies when the flush inside a weight update fails (SGLang without begin/end,
+    #: 0.5.16): updates wait for running requests, flushes go through /flush_cache
+    _flush_needs_idle: bool
 
     def _alive(self) -> ServerClient:
         http = self._http

@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 import attrs
 
 from rlinfer_core.types import Capabilities, Capability
-from rlinfer_sglang.capabilities import OVERLAP_NOTE
+from rlinfer_sglang.capabilities import OVERLAP_NOTE, PAUSE_KEEP_OLD_SGLANG_NOTE
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -37,10 +37,15 @@ def server_capabilities(
     url: str,
     chat_template: bool,
     amx_repacks: bool,
+    *,
+    begin_end: bool = True,
 ) -> Capabilities:
     """``base`` (the platform's in-process capabilities) for the server at ``url`` whose
-    ``/server_info`` is ``info``."""
+    ``/server_info`` is ``info``; ``begin_end``: the server has ``/begin_weight_update`` (an SGLang
+    without it, e.g. 0.5.16, flushes its cache only when no request is pending)."""
     drop: dict[Capability, str] = {}
+    if not begin_end:
+        drop[Capability.PAUSE_KEEP] = f"server mode: {PAUSE_KEEP_OLD_SGLANG_NOTE}"
     if not chat_template:
         drop[Capability.CHAT] = "the model's tokenizer has no chat template (or none could be loaded here)"
     if base.platform == "cpu" and amx_repacks:

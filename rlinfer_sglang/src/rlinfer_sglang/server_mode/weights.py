@@ -5,6 +5,11 @@ Every transport goes as in-process (:mod:`rlinfer_sglang.weight_channel`): SGLan
 loader (:mod:`rlinfer_sglang.scheduler_side`; the serialized ``(name, tensor)`` pairs travel
 base64 in the JSON body, tensors as shared-memory / CUDA-IPC handles by
 :func:`rlinfer_core.transfer.ipc.dumps`), ``/end_weight_update``.
+An SGLang without ``/begin_weight_update`` (0.5.16, found at start by :func:`has_begin_end`) gets
+the in-process backend's semantics there: no begin/end, the cache flushed through ``/flush_cache``
+rather than inside the update (that SGLang's scheduler dies when its post-update flush fails), and
+an update with requests running waits for them (new ones wait at the gate), since that SGLang
+flushes only when no request is pending, a retracted one included.
 The loader reads and checks everything before loading and writes its outcome to a file on this
 host, which the backend reads (so these transports need the server on this host).
 
@@ -48,6 +53,20 @@ from rlinfer_sglang.config import WEIGHT_LOADER
 from rlinfer_sglang.server_mode import convert as wire
 from rlinfer_sglang.server_mode.inflight import InFlight
 
+#: how long a flush on an SGLang without /begin_weight_update waits for running requests (the
+#: facade gives ``reset_prefix_cache`` 60 s)
+FLUSH_WAIT_S = 50.0
+#: how long the flush right after an idle update waits for the scheduler's last batch to clear
+IDLE_FLUSH_WAIT_S = 5.0
+
+
+async def has_begin_end(http: ServerClient) -> bool:
+    """Whether the server has ``/begin_weight_update`` (SGLang >= 0.5.2x): asked without side
+    effects, as a GET that the POST-only route refuses with 405; 404 means it has no such route."""
+    status, _ = await http.request("GET", "/begin_weight_update")
+    return status != 404
+
+
 if TYPE_CHECKING:
     from rlinfer_core.checksum import WeightChecksum
 
@@ -86,19 +105,27 @@ class ServerWeights(InFlight):
         # fetch file descriptors from it (multiprocessing's resource sharer checks the authkey)
         payload = await loop.run_in_executor(None, ipc.dumps, pairs)
         encoded = base64.b64encode(payload).decode("ascii")
+        deferred = flush and self._flush_needs_idle
+        if deferred:
+            # this SGLang's scheduler asserts that its post-update flush succeeded (and dies when a
+            # request is pending): flush through /flush_cache after the load instead
+            flush = False
         body = {
             "serialized_named_tensors": [encoded] * self._tp_size,
             "load_format": WEIGHT_LOADER,
             "flush_cache": flush,
             "abort_all_requests": False,
         }
-        ok, message = await self._control(http, "/begin_weight_update", {})
-        if not ok:
-            raise WeightUpdateError(f"SGLang refused to open a weight update: {message}")
+        end_ok, end_message = True, ""
+        if self._begin_end:
+            ok, message = await self._control(http, "/begin_weight_update", {})
+            if not ok:
+                raise WeightUpdateError(f"SGLang refused to open a weight update: {message}")
         try:
             ok, message = await self._control(http, "/update_weights_from_tensor", body)
         finally:
-            end_ok, end_message = await asyncio.shield(self._control(http, "/end_weight_update", {}))
+            if self._begin_end:
+                end_ok, end_message = await asyncio.shield(self._control(http, "/end_weight_update", {}))
         outcomes = [self._outcome(result, rank) for rank in range(self._tp_size)]
         logger.debug("weight op %s: scheduler outcomes %s", control["op"], outcomes)
         failed = [o for o in outcomes if not o.get("ok")]
@@ -116,6 +143,8 @@ class ServerWeights(InFlight):
             raise WeightUpdateError(f"SGLang failed the update: {message}")
         elif flush:
             self._cache_dirty = False
+        elif deferred:
+            self._cache_dirty = True  # flushed after the load (rlinfer_update_weights) or at reset
         if not end_ok:
             raise WeightUpdateError(f"SGLang failed to finish the weight update: {end_message}")
         return outcomes[0]
@@ -150,12 +179,41 @@ class ServerWeights(InFlight):
             if closed_here:
                 self._gate.set()
 
+    @asynccontextmanager
+    async def _idle_scheduler(self) -> AsyncIterator[None]:
+        """For an SGLang without /begin_weight_update: new requests wait at the gate and the block
+        runs once the requests in flight finished (bounded by ``request_timeout_s``; nothing is
+        loaded when they do not finish in time)."""
+        closed_here = self._gate.is_set()
+        self._gate.clear()
+        try:
+            timeout = self.config.request_timeout_s
+            try:
+                await asyncio.wait_for(self._idle.wait(), timeout=timeout)
+            except TimeoutError as exc:
+                self._alive()
+                raise WeightUpdateError(
+                    f"the requests in flight did not finish within {timeout:.0f} s; nothing was loaded "
+                    "(this SGLang loads only between requests: pause(abort) first)"
+                ) from exc
+            yield
+        finally:
+            if closed_here:
+                self._gate.set()
+
+    def _quiet(self) -> Any:
+        """How nothing runs during an update: requests retracted for it, or (an SGLang without
+        /begin_weight_update, whose cache flush fails while a retracted request is pending) the
+        update waits for them, as SGLang itself and the in-process backend do there."""
+        running = self._active > 0 and not self._sglang_paused and not self._memory_paused
+        return self._idle_scheduler() if running and self._flush_needs_idle else self._quiet_scheduler()
+
     @hookimpl
     async def rlinfer_update_weights(self, update: WeightUpdate) -> None:
         """Hand the (validated) update to the scheduler, which checks all of it, then loads; then
         label the new version while nothing runs."""
         version = update.version if update.version is not None else self._versions.current + 1
-        async with self._pause_lock, self._quiet_scheduler():
+        async with self._pause_lock, self._quiet():
             outcome = await self._load(update)
             ok, message = await self._control(
                 self._alive(),
@@ -171,6 +229,10 @@ class ServerWeights(InFlight):
                 logger.warning("the scheduler did not report request lengths; streamed tokens keep the old version")
                 lengths, dispatched = {}, set(in_flight)
             self._versions.loaded(version, in_flight, dispatched, lengths)
+            if self._cache_dirty and self._flush_needs_idle and self._active == 0:
+                # flushed while new requests still wait at the gate (the facade's reset, after
+                # it opens, could find requests pending, which this SGLang does not flush under)
+                await self._flush(self._alive(), IDLE_FLUSH_WAIT_S)
 
     async def _load(self, update: WeightUpdate) -> dict[str, Any]:
         from rlinfer_core.transfer import ipc
@@ -238,6 +300,20 @@ class ServerWeights(InFlight):
             return
         if self._sglang_paused or self._memory_paused:
             raise RLInferError("SGLang refused to flush its cache while paused")
+        if self._flush_needs_idle:
+            # this SGLang does not flush while a retracted request is pending: new requests wait
+            # at the gate and SGLang flushes once the running ones finished (its deferred flush)
+            closed_here = self._gate.is_set()
+            self._gate.clear()
+            try:
+                if not await self._flush(http, FLUSH_WAIT_S):
+                    raise RLInferError(
+                        f"SGLang refused to flush its cache: requests still ran after {FLUSH_WAIT_S:.0f} s"
+                    )
+            finally:
+                if closed_here:
+                    self._gate.set()
+            return
         await self._sglang_pause("retract")
         try:
             flushed = await self._flush(http)
@@ -246,8 +322,13 @@ class ServerWeights(InFlight):
         if not flushed:
             raise RLInferError("SGLang refused to flush its cache")
 
-    async def _flush(self, http: ServerClient) -> bool:
-        status, _ = await http.request("POST", "/flush_cache")
+    async def _flush(self, http: ServerClient, wait_s: float = 0.0) -> bool:
+        """``/flush_cache``; ``wait_s`` > 0: SGLang flushes as soon as it is idle, within that time."""
+        if wait_s > 0:
+            params = {"timeout": wait_s}
+            status, _ = await http.request("POST", "/flush_cache", params=params, timeout_s=wait_s + 10)
+        else:
+            status, _ = await http.request("POST", "/flush_cache")
         if status == 200:
             self._cache_dirty = False
         return status == 200
