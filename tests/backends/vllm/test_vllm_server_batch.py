@@ -1,12 +1,15 @@
 """Server mode's batch endpoint (``rlinfer_vllm.server_mode.batch_route``) in a real ``vllm serve``.
 
-One launched server (tiny model, CPU): a batch with one request the server refuses raises
+One launched server (tiny model, CPU) per path of the endpoint: through vLLM's token-endpoint
+handler (vLLM 0.32) and through the engine client (the path vLLM 0.26 takes, forced here with
+``RLINFER_VLLM_BATCH_ENGINE=1``). A batch with one request the server refuses raises
 InvalidRequest naming vLLM's reason and leaves the engine serving the oracle's tokens; the
 endpoint's own answers to a malformed body and a wrong method are 4xx JSON errors.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,9 +33,19 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("vllm-batch") / "seed0", seed=0)
 
 
-@pytest.fixture(scope="module")
-def engine(model: Path) -> Iterator[Any]:
-    engine = open_engine("vllm", model=str(model), mode="server", load_entry_point_plugins=False, **ENGINE_FIELDS)
+@pytest.fixture(scope="module", params=["token_handler", "engine_client"])
+def engine(request: pytest.FixtureRequest, model: Path) -> Iterator[Any]:
+    from rlinfer_vllm.server_mode.engine_route import FORCE_ENV
+
+    saved = os.environ.get(FORCE_ENV)
+    os.environ[FORCE_ENV] = "1" if request.param == "engine_client" else "0"
+    try:  # the server inherits the variable at launch
+        engine = open_engine("vllm", model=str(model), mode="server", load_entry_point_plugins=False, **ENGINE_FIELDS)
+    finally:
+        if saved is None:
+            os.environ.pop(FORCE_ENV, None)
+        else:
+            os.environ[FORCE_ENV] = saved
     try:
         yield engine
     finally:
@@ -75,3 +88,31 @@ def test_malformed_batch_bodies_are_4xx_json(engine: Any) -> None:
     assert lines.status_code == 200
     (line,) = [x for x in lines.text.splitlines() if x]
     assert '"status": 400' in line and "sampling_params" in line
+
+
+def test_the_server_reports_which_path_it_runs(engine: Any, request: pytest.FixtureRequest) -> None:
+    import httpx
+
+    from rlinfer_vllm.server_mode.engine_route import FEATURES_PATH, VERSION_PATH
+
+    features = httpx.get(_launched_url(engine) + FEATURES_PATH, timeout=30.0).json()
+    via_engine = request.node.callspec.params["engine"] == "engine_client"
+    assert features["batch_via_engine"] is via_engine
+    assert features["token_version_spans"] is True and features["release_kv_cache_memory"] is True  # vLLM 0.32
+    version = httpx.post(_launched_url(engine) + VERSION_PATH, json={"new_version": "0"}, timeout=30.0)
+    assert version.status_code == (200 if via_engine else 404)
+
+
+def test_logprobs_and_versions_come_back_in_one_shape(engine: Any) -> None:
+    sampling = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2, prompt_logprobs=True)
+    (done,) = engine.generate([GenerateRequest(prompt_token_ids=PROMPTS[0], sampling=sampling)])
+    assert len(done.token_ids) == MAX_TOKENS and len(done.logprobs) == MAX_TOKENS
+    assert done.top_logprobs is not None and all(len(top) == 2 for top in done.top_logprobs)
+    # greedy: the sampled token is the most likely one, so it leads its position's top 2
+    assert all(max(top, key=top.__getitem__) == t for top, t in zip(done.top_logprobs, done.token_ids, strict=True))
+    assert all(
+        abs(top[t] - lp) < 1e-5 for top, t, lp in zip(done.top_logprobs, done.token_ids, done.logprobs, strict=True)
+    )
+    assert done.prompt_logprobs is not None and done.prompt_logprobs[0] is None
+    assert len(done.prompt_logprobs) == len(PROMPTS[0])
+    assert done.token_versions == (0,) * MAX_TOKENS

@@ -38,6 +38,7 @@ from rlinfer_vllm.config import engine_args, resolve_platform
 from rlinfer_vllm.server_mode import convert
 from rlinfer_vllm.server_mode.batch_route import PATH as BATCH_PATH
 from rlinfer_vllm.server_mode.caps import server_capabilities
+from rlinfer_vllm.server_mode.engine_route import FEATURES_PATH
 from rlinfer_vllm.server_mode.http import RouteMissing, ServerClient
 from rlinfer_vllm.server_mode.launch import ServerProcess, free_port, server_argv
 from rlinfer_vllm.server_mode.memory import ServerMemoryHooks
@@ -48,6 +49,11 @@ from rlinfer_vllm.server_mode.weights import ServerWeightHooks
 ABORT_SETTLE_S = 2.0
 #: how often calls look for exited server processes
 PROCESS_CHECK_S = 0.2
+#: a stream's token versions where vLLM's token endpoint reports no weight-version spans
+STREAM_026_NOTE = (
+    "vLLM 0.26 server: a stream's deltas read after a weight update are stamped with the new version "
+    "(0.26's token endpoint reports no per-token version spans; batch generate is exact)"
+)
 #: tries at binding a free port (another process may take it between the probe and the bind)
 PORT_TRIES = 3
 
@@ -69,6 +75,7 @@ class VllmServerBackend(ServerWeightHooks, ServerMemoryHooks):
         self._inflight: set[str] = set()
         #: whether the server has rlinfer's batch endpoint (False after a 404: attached server)
         self._batch_route = True
+        self._features: dict[str, Any] = {}
         self._asleep: set[MemoryTag] = set()
         self._implicitly_asleep: set[MemoryTag] = set()
         #: the weight version live on the server (also its weight-version label)
@@ -102,7 +109,8 @@ class VllmServerBackend(ServerWeightHooks, ServerMemoryHooks):
             facts = await self._http.rpc("rlinfer_server_facts")
             # dtype="auto": updates come in the checkpoint's dtypes (see the in-process backend)
             specs = await self._http.rpc("rlinfer_attach", config.dtype == "auto")
-            await self._http.post("/update_weight_version", {"new_version": str(self.version)})
+            self._features = await self._server_features(self._http)
+            await self._label_version(self._http, self.version)
         except RLInferError as exc:
             await self.rlinfer_shutdown()
             raise BackendLoadError(
@@ -124,7 +132,17 @@ class VllmServerBackend(ServerWeightHooks, ServerMemoryHooks):
             await self.rlinfer_shutdown()
             raise BackendLoadError(f"the vLLM server runs on {facts['device']!r}, expected {self.platform!r}")
         self._caps = server_capabilities(self._caps, facts, url, launched=self._server is not None)
+        if not self._features.get("token_version_spans", True):
+            self._caps = attrs.evolve(self._caps, notes={**self._caps.notes, Capability.STREAM.value: STREAM_026_NOTE})
         self.start_seconds = time.perf_counter() - started
+
+    async def _server_features(self, http: ServerClient) -> dict[str, Any]:
+        """What the server's vLLM offers (rlinfer's middleware reports it; an attached server
+        without the middleware is taken for a vLLM 0.32 one, whose token endpoint rlinfer reads)."""
+        try:
+            return dict(await http.get_optional(FEATURES_PATH))
+        except RouteMissing:
+            return {"batch_via_engine": False, "token_version_spans": True, "release_kv_cache_memory": True}
 
     async def _launch(self, config: EngineConfig) -> str:
         import httpx

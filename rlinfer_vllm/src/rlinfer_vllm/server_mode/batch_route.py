@@ -16,6 +16,11 @@ them in the engine (as a dropped connection does on the token endpoint); ``/abor
 ``generate-tokens-<request_id>`` aborts single items. When the server has API keys
 (``--api-key`` / ``VLLM_API_KEY``) the route asks for one, as vLLM's guarded routes do.
 
+On a vLLM whose token endpoint lacks what rlinfer reads (0.26: see
+:mod:`rlinfer_vllm.server_mode.engine_route`) the items go to the engine client directly and the
+answers are written in 0.32's shape; the route then also serves ``POST /rlinfer/v1/weight_version``.
+``GET /rlinfer/v1/features`` tells the client which of these the server runs.
+
 This module runs in the server process; it imports vLLM only inside functions.
 """
 
@@ -26,6 +31,8 @@ import contextlib
 import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
+
+from rlinfer_vllm.server_mode import engine_route
 
 PATH = "/rlinfer/v1/generate_batch"
 
@@ -46,11 +53,31 @@ async def _json_response(send: Send, status: int, body: Any) -> None:
     await send({"type": "http.response.body", "body": data})
 
 
+def _first(*candidates: str) -> Any:
+    """The first of ``"module:name"`` candidates that imports (vLLM moved these between 0.26 and
+    0.32; the newest comes first)."""
+    import importlib
+
+    for candidate in candidates:
+        module, _, name = candidate.partition(":")
+        try:
+            return getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            continue
+    raise ImportError(f"none of {candidates} in this vLLM")
+
+
+def _create_error_response() -> Any:
+    return _first(
+        "vllm.entrypoints.serve.exception_handling.error_response:create_error_response",
+        "vllm.entrypoints.serve.utils.error_response:create_error_response",
+    )
+
+
 def _error(message: str, status: int = 400, param: str | None = None) -> dict[str, Any]:
     from http import HTTPStatus
 
-    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
-
+    create_error_response = _create_error_response()
     error = create_error_response(message, HTTPStatus(status).phrase, HTTPStatus(status), param)
     return dict(error.model_dump())
 
@@ -59,13 +86,16 @@ def _authorized(app: Any, scope: Scope) -> bool:
     """Whether the request carries one of the server's API keys (True when it has none)."""
     from starlette.datastructures import Headers
     from vllm import envs
-    from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
 
+    authentication = _first(
+        "vllm.entrypoints.serve.middleware.authenticate:AuthenticationMiddleware",
+        "vllm.entrypoints.serve.utils.server_utils:AuthenticationMiddleware",
+    )
     args = getattr(app.state, "args", None)
     tokens = [key for key in (getattr(args, "api_key", None) or [envs.VLLM_API_KEY]) if key]
     if not tokens:
         return True
-    return bool(AuthenticationMiddleware(app, tokens).verify_token(Headers(scope=scope)))
+    return bool(authentication(app, tokens).verify_token(Headers(scope=scope)))
 
 
 async def _body(receive: Receive) -> tuple[bytes, bool]:
@@ -81,17 +111,20 @@ async def _body(receive: Receive) -> tuple[bytes, bool]:
 
 
 async def _one(app: Any, scope: Scope, item: Any) -> tuple[int, Any]:
-    """(status, body) of one item, exactly as ``/inference/v1/generate`` answers it."""
+    """(status, body) of one item, exactly as ``/inference/v1/generate`` answers it (on an older
+    vLLM: as 0.32's answers it, through :mod:`rlinfer_vllm.server_mode.engine_route`)."""
     import pydantic
     from fastapi.exceptions import RequestValidationError
     from starlette.requests import Request
-    from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest, GenerateResponseBase
-    from vllm.entrypoints.serve.engine.protocol import ErrorResponse
-    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
-    from vllm.entrypoints.serve.exception_handling.handlers.validation import validation_exception_handler
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
 
+    validation_exception_handler = _first(
+        "vllm.entrypoints.serve.exception_handling.handlers.validation:validation_exception_handler",
+        "vllm.entrypoints.serve.utils.server_utils:validation_exception_handler",
+    )
+    via_engine = engine_route.active()
     handler = app.state.serving_tokens
-    if handler is None:
+    if handler is None and not via_engine:
         return 501, _error("the model does not support the generate tokens API", 501)
     try:
         request = GenerateRequest.model_validate(item)
@@ -104,6 +137,8 @@ async def _one(app: Any, scope: Scope, item: Any) -> tuple[int, Any]:
     if request.stream:
         return 400, _error("items of a batch cannot stream", 400, "stream")
     try:
+        if via_engine:
+            return 200, await engine_route.generate(app, request)
         answer = await handler.serve_tokens(request, None)
     except Exception as exc:
         # the app's own exception handler, as for the single-request route (a dead engine core
@@ -113,11 +148,14 @@ async def _one(app: Any, scope: Scope, item: Any) -> tuple[int, Any]:
             if registered is not None:
                 response = await registered(Request(scope), exc)
                 return response.status_code, json.loads(bytes(response.body))
-        error = create_error_response(exc)
+        error = _create_error_response()(exc)
         return int(error.error.code), error.model_dump()
-    if isinstance(answer, ErrorResponse):
+    error_type = _first(
+        "vllm.entrypoints.serve.engine.protocol:ErrorResponse",
+        "vllm.entrypoints.openai.engine.protocol:ErrorResponse",
+    )
+    if isinstance(answer, error_type):
         return int(answer.error.code), answer.model_dump()
-    assert isinstance(answer, GenerateResponseBase)
     return 200, answer.model_dump()
 
 
@@ -129,6 +167,15 @@ class BatchRoute:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Serve :data:`PATH`, pass everything else on."""
+        if scope["type"] == "http" and scope["path"] == engine_route.FEATURES_PATH:
+            authorized = _authorized(scope["app"], scope)
+            await _json_response(
+                send, *((200, engine_route.features(scope["app"])) if authorized else (401, {"error": "Unauthorized"}))
+            )
+            return
+        if scope["type"] == "http" and scope["path"] == engine_route.VERSION_PATH and engine_route.active():
+            await self._version(scope, receive, send)
+            return
         if scope["type"] != "http" or scope["path"] != PATH:
             await self.app(scope, receive, send)
             return
@@ -150,6 +197,25 @@ class BatchRoute:
             await _json_response(send, 400, _error(f"expected {{'requests': [...]}}: {exc}", 400, "requests"))
             return
         await self._serve(app, scope, receive, send, items)
+
+    async def _version(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``POST /rlinfer/v1/weight_version`` ``{"new_version": N}``: the label of later tokens."""
+        app = scope["app"]
+        if scope.get("method") != "POST":
+            await _json_response(send, 405, _error(f"{engine_route.VERSION_PATH} takes POST", 405))
+            return
+        if not _authorized(app, scope):
+            await _json_response(send, 401, {"error": "Unauthorized"})
+            return
+        raw, gone = await _body(receive)
+        if gone:
+            return
+        try:
+            answer = engine_route.set_version(app, json.loads(raw))
+        except (ValueError, KeyError, TypeError) as exc:
+            await _json_response(send, 400, _error(f"expected {{'new_version': N}}: {exc}", 400, "new_version"))
+            return
+        await _json_response(send, 200, answer)
 
     async def _serve(self, app: Any, scope: Scope, receive: Receive, send: Send, items: list[Any]) -> None:
         async def one(index: int, item: Any) -> bytes:

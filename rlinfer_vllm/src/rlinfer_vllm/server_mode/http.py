@@ -107,6 +107,21 @@ class ServerClient(server_http.ServerClient):
             raise result
         return result
 
+    async def get_optional(self, path: str, timeout_s: float | None = None) -> Any:
+        """GET ``path``; :class:`RouteMissing` if the server has no such route (404)."""
+        self.check_processes()
+        timeout = timeout_s if timeout_s is not None else self.timeout_s
+        try:
+            response = await self._send("GET", path, True, timeout=timeout)
+        except Exception as exc:
+            raise await self.translate(path, exc) from exc
+        if response.status_code == 404:
+            raise RouteMissing(path)
+        result = await self.check(path, response)
+        if isinstance(result, InvalidRequest):
+            raise result
+        return result
+
     async def rpc(self, method: str, *args: Any, timeout_s: float | None = None) -> Any:
         """Call ``RLInferWorkerExtension.<method>`` in the (first) worker through
         ``/collective_rpc`` -> ``rlinfer_http``; bytes arguments go as :func:`b64`. Sent once (a

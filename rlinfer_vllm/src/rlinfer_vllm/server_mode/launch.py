@@ -10,7 +10,8 @@ anything starts), plus what server mode needs:
 - ``VLLM_SERVER_DEV_MODE=1``: the development endpoints (``/collective_rpc`` into rlinfer's
   worker extension, ``/pause``, ``/resume``, ``/abort_requests``, ``/sleep``, ``/wake_up``,
   ``/reset_prefix_cache``, ``/update_weight_version``);
-- ``--enable-scale-out``: vLLM's token-in/token-out endpoint ``/inference/v1/generate``;
+- ``--enable-scale-out``: vLLM's token-in/token-out endpoint ``/inference/v1/generate`` (vLLM
+  0.32; vLLM 0.26 has no such option and always serves the endpoint);
 - ``--max-logprobs`` one above rlinfer's limit (see :mod:`rlinfer_vllm.server_mode.convert`);
 - ``--middleware rlinfer_vllm.server_mode.batch_route.BatchRoute``: the batch generate endpoint.
 
@@ -56,6 +57,10 @@ SERVER_OVERRIDES: Mapping[str, Any] = {
     # rlinfer's batch generate endpoint (see rlinfer_vllm.server_mode.batch_route)
     "middleware": ["rlinfer_vllm.server_mode.batch_route.BatchRoute"],
 }
+#: overrides passed only where this vLLM's ``vllm serve`` has the option (0.26 lacks them)
+OPTIONAL_OVERRIDES = frozenset({"enable_scale_out"})
+#: modules of ``make_arg_parser`` (``vllm serve``'s options), newest first: vLLM 0.32, 0.26
+PARSER_MODULES = ("vllm.entrypoints.launchers.cli_args", "vllm.entrypoints.openai.cli_args")
 
 
 def free_port(host: str = HOST) -> int:
@@ -66,17 +71,25 @@ def free_port(host: str = HOST) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    try:
-        from vllm.entrypoints.launchers.cli_args import make_arg_parser
-        from vllm.utils.argparse_utils import FlexibleArgumentParser
-    except ImportError as exc:  # measured on the GPU bundle's vLLM 0.26.0
-        raise BackendLoadError(
-            f"vLLM server mode needs vLLM 0.32 (its launcher and token-endpoint modules); this vLLM lacks them "
-            f"({exc}); use mode='inprocess' here"
-        ) from exc
+    import importlib
 
-    parser: argparse.ArgumentParser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
-    return parser
+    try:
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError as exc:
+        raise BackendLoadError(f"vLLM server mode needs vLLM 0.26 or newer ({exc}); use mode='inprocess'") from exc
+    errors = []
+    for name in PARSER_MODULES:
+        try:
+            make_arg_parser = importlib.import_module(name).make_arg_parser
+        except (ImportError, AttributeError) as exc:
+            errors.append(f"{name}: {exc}")
+            continue
+        parser: argparse.ArgumentParser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+        return parser
+    raise BackendLoadError(
+        f"vLLM server mode found no `vllm serve` argument parser in this vLLM ({'; '.join(errors)}); "
+        "use mode='inprocess'"
+    )
 
 
 def server_argv(kwargs: Mapping[str, Any], host: str, port: int) -> list[str]:
@@ -84,7 +97,8 @@ def server_argv(kwargs: Mapping[str, Any], host: str, port: int) -> list[str]:
     vLLM's parser; an argument without a ``vllm serve`` option is a :class:`BackendLoadError`."""
     parser = _parser()
     actions = {a.dest: a for a in parser._actions if a.option_strings}
-    args = {**kwargs, **SERVER_OVERRIDES}
+    overrides = {k: v for k, v in SERVER_OVERRIDES.items() if k in actions or k not in OPTIONAL_OVERRIDES}
+    args = {**kwargs, **overrides}
     model = args.pop("model")
     argv = ["--model", str(model), "--host", host, "--port", str(port)]
     for key, value in args.items():

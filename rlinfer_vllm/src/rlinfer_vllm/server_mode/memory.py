@@ -3,6 +3,9 @@ CUDA (sleep mode), refused on CPU like in-process (vLLM frees nothing there)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.types import Capabilities, Capability, MemoryTag
 from rlinfer_vllm.server_mode.http import ServerClient
@@ -14,6 +17,7 @@ class ServerMemoryHooks:
     _caps: Capabilities
     _asleep: set[MemoryTag]
     _implicitly_asleep: set[MemoryTag]
+    _features: Mapping[str, Any]
 
     def _alive(self) -> ServerClient:
         raise NotImplementedError
@@ -25,7 +29,8 @@ class ServerMemoryHooks:
     @hookimpl
     async def rlinfer_release_memory(self, tags: frozenset[MemoryTag], discard_weights: bool = False) -> None:
         """GPU: ``/sleep?level=1`` (weights, and the KV cache with them; ``level=2`` with
-        ``discard_weights``: weights dropped, not offloaded) or ``/release_kv_cache_memory``;
+        ``discard_weights``: weights dropped, not offloaded) or ``/release_kv_cache_memory`` (vLLM
+        0.26 has none: the KV cache alone goes with ``/sleep?level=1``, as in-process);
         CPU: UnsupportedCapability."""
         self._caps.require(Capability.MEMORY_RELEASE)
         if discard_weights:
@@ -34,7 +39,9 @@ class ServerMemoryHooks:
         for tag in tags & self._implicitly_asleep:
             self._implicitly_asleep.discard(tag)
             tags = tags - {tag}
-        if MemoryTag.WEIGHTS in tags:
+        kv_only = bool(self._features.get("release_kv_cache_memory", True))  # vLLM 0.26 lacks it
+        if MemoryTag.WEIGHTS in tags or (MemoryTag.KV_CACHE in tags and not kv_only):
+            # level 1 also discards the KV cache; whatever was not asked for wakes with the tags
             await http.post("/sleep", params={"level": 2 if discard_weights else 1, "mode": "abort"})
             both = {MemoryTag.WEIGHTS, MemoryTag.KV_CACHE}
             self._implicitly_asleep |= both - tags - self._asleep

@@ -1,6 +1,7 @@
 """Server-mode weight hooks (a mixin): every transport through the server's ``/collective_rpc``
 into :class:`rlinfer_vllm.worker.RLInferWorkerExtension` (the same worker code as in-process), and
-the per-token version label through ``/update_weight_version``; plus the bench baselines.
+the per-token version label through ``/update_weight_version`` (vLLM 0.26: rlinfer's
+``/rlinfer/v1/weight_version``); plus the bench baselines.
 
 Tensors travel as shared-memory / CUDA-IPC handles (:mod:`rlinfer_core.transfer.ipc`), base64 in
 the JSON body; the worker maps the same memory. The load runs while the scheduler is paused
@@ -32,6 +33,7 @@ from rlinfer_core.weights import (
     WeightUpdate,
 )
 from rlinfer_vllm.capabilities import Platform
+from rlinfer_vllm.server_mode.engine_route import VERSION_PATH
 from rlinfer_vllm.server_mode.http import ServerClient, b64
 from rlinfer_vllm.weights import check_group, checksums, prepare_source, send_source
 
@@ -49,6 +51,8 @@ class ServerWeightHooks:
     _info: ModelInfo | None
     _pause_lock: asyncio.Lock
     _user_pause: PauseMode | None
+    #: what the server's vLLM offers (``GET /rlinfer/v1/features``, see engine_route.features)
+    _features: Mapping[str, Any]
 
     def _alive(self) -> ServerClient:
         raise NotImplementedError
@@ -78,6 +82,12 @@ class ServerWeightHooks:
                 with contextlib.suppress(RLInferError):  # a dead server raises on the next call
                     await asyncio.shield(self._send_resume(http))
 
+    async def _label_version(self, http: ServerClient, version: int) -> None:
+        """Label the tokens of every later step with ``version``: vLLM's ``/update_weight_version``
+        (0.32), or rlinfer's route where the batch endpoint counts tokens itself (vLLM 0.26)."""
+        path = VERSION_PATH if self._features.get("batch_via_engine") else "/update_weight_version"
+        await http.post(path, {"new_version": str(version)})
+
     @hookimpl
     def rlinfer_weight_specs(self) -> Mapping[str, TensorSpec]:
         """The checkpoint's parameter names and shapes (dtypes as in-process)."""
@@ -98,7 +108,7 @@ class ServerWeightHooks:
                 worker = await send_source(update.source, prepared, rpc)
                 if update.version is not None:
                     # the engine core labels the outputs of every later step with this version
-                    await http.post("/update_weight_version", {"new_version": str(update.version)})
+                    await self._label_version(http, update.version)
                     self.version = update.version
             logger.debug("weight update over HTTP: %.1f ms; worker: %s", (time.perf_counter() - started) * 1e3, worker)
         except ServerError as exc:

@@ -1,0 +1,182 @@
+"""The batch endpoint's items straight through the server's engine client (vLLM 0.26).
+
+vLLM 0.26's token endpoint answers without what rlinfer reads from 0.32's: no token ids or ranks
+in ``top_logprobs``, no ``stop_reason``, no per-token weight-version spans (0.26 has no
+``/update_weight_version`` either). On such a server :mod:`rlinfer_vllm.server_mode.batch_route`
+runs each item here instead: the item's body is validated by vLLM's own ``GenerateRequest``, the
+request goes to ``app.state.engine_client.generate`` under the id the token endpoint would give it
+(``generate-tokens-<request_id>``, so ``/abort_requests`` reaches it), and the answer is written
+in 0.32's shape from the engine's ``RequestOutput`` (so the client reads one shape).
+
+Weight versions: the API server's engine client counts every step's tokens with
+:class:`rlinfer_vllm.versions.TokenVersions` (exactly as the in-process backend does), labelled
+with the version that rlinfer posts to :data:`VERSION_PATH` while the scheduler is paused.
+
+Which path runs is decided by feature, not version string: a vLLM whose ``vllm.outputs`` has no
+``WeightVersionSpan`` takes this one; ``RLINFER_VLLM_BATCH_ENGINE=1`` in the server's environment
+forces it (tests run it on vLLM 0.32). This module runs in the server process.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rlinfer_vllm.server_mode.convert import CLAMPED, ID_PREFIX
+
+#: rlinfer's weight-version label route (served only where this path runs; else 404)
+VERSION_PATH = "/rlinfer/v1/weight_version"
+#: what this server's vLLM offers (GET; served by the batch middleware on every vLLM)
+FEATURES_PATH = "/rlinfer/v1/features"
+#: set to "1" in the server's environment to force this path
+FORCE_ENV = "RLINFER_VLLM_BATCH_ENGINE"
+
+
+def active() -> bool:
+    """Whether the batch items go through the engine client here (this vLLM's token endpoint
+    reports no weight-version spans, or :data:`FORCE_ENV` asks for it)."""
+    if os.environ.get(FORCE_ENV) == "1":
+        return True
+    import vllm.outputs
+
+    return not hasattr(vllm.outputs, "WeightVersionSpan")
+
+
+def features(app: Any) -> dict[str, Any]:
+    """What the server's vLLM offers, looked up in the server process: whether the batch items go
+    through the engine client (and tokens are labelled through :data:`VERSION_PATH` instead of
+    ``/update_weight_version``), whether vLLM's token endpoint reports weight-version spans (0.32),
+    and whether ``/release_kv_cache_memory`` exists (vLLM 0.32)."""
+    import vllm.outputs
+
+    engine = app.state.engine_client
+    return {
+        "batch_via_engine": active(),
+        "token_version_spans": hasattr(vllm.outputs, "WeightVersionSpan"),
+        "release_kv_cache_memory": callable(getattr(engine, "release_kv_cache_memory", None)),
+    }
+
+
+def token_versions(app: Any) -> Any:
+    """The app's :class:`~rlinfer_vllm.versions.TokenVersions` (installed on first use)."""
+    versions = getattr(app.state, "rlinfer_versions", None)
+    if versions is None:
+        from rlinfer_vllm.versions import TokenVersions
+
+        versions = TokenVersions(app.state.engine_client)
+        app.state.rlinfer_versions = versions
+    return versions
+
+
+def set_version(app: Any, body: Mapping[str, Any]) -> dict[str, Any]:
+    """Label the tokens of every later step with ``body["new_version"]`` (an integer)."""
+    version = int(body["new_version"])
+    token_versions(app).version = version
+    return {"version": version}
+
+
+def _lp(value: float) -> float:
+    return CLAMPED if math.isnan(value) else max(float(value), CLAMPED)
+
+
+def _spans(stamps: Sequence[int]) -> list[dict[str, int]]:
+    spans: list[dict[str, int]] = []
+    for i, version in enumerate(stamps):
+        if spans and spans[-1]["version"] == version:
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": version, "start": i, "end": i + 1})
+    return spans
+
+
+def _logprobs(token_ids: Sequence[int], rows: Any) -> dict[str, Any] | None:
+    if rows is None:
+        return None
+    content = []
+    for token, row in zip(token_ids, rows, strict=False):
+        row = row or {}
+        sampled = row.get(token)
+        content.append(
+            {
+                "token_id": int(token),
+                "logprob": _lp(sampled.logprob) if sampled is not None else CLAMPED,
+                "top_logprobs": [
+                    {"token_id": int(t), "logprob": _lp(lp.logprob), "rank": lp.rank} for t, lp in row.items()
+                ],
+            }
+        )
+    return {"content": content}
+
+
+def answer(request_id: str, engine_id: str, final: Any, versions: Any) -> dict[str, Any]:
+    """0.32's token-endpoint answer for the engine's last ``RequestOutput`` (None: aborted before
+    any output), each choice with its tokens' weight-version spans."""
+    if final is None:
+        return {"request_id": request_id, "choices": []}
+    choices = []
+    for out in sorted(final.outputs, key=lambda o: o.index):
+        tokens = [int(t) for t in out.token_ids]
+        choices.append(
+            {
+                "index": int(out.index),
+                "token_ids": tokens,
+                "logprobs": _logprobs(tokens, out.logprobs),
+                "finish_reason": out.finish_reason,
+                "stop_reason": out.stop_reason,
+                "weight_versions": _spans(versions.take(engine_id, out.index, len(tokens))),
+            }
+        )
+    prompt = None
+    if final.prompt_logprobs is not None:
+        prompt = [
+            None if row is None else {str(t): {"logprob": _lp(lp.logprob), "rank": lp.rank} for t, lp in row.items()}
+            for row in final.prompt_logprobs
+        ]
+    return {"request_id": request_id, "choices": choices, "prompt_logprobs": prompt}
+
+
+async def generate(app: Any, request: Any) -> dict[str, Any]:
+    """Run one validated ``GenerateRequest`` (``stream`` false) to its end; its answer.
+
+    Cancelling the caller cancels the engine generator, which aborts the request in the engine.
+    """
+    from vllm.inputs.engine import tokens_input
+    from vllm.sampling_params import RequestOutputKind
+
+    engine = app.state.engine_client
+    if engine.errored:
+        raise engine.dead_error
+    from vllm.exceptions import VLLMValidationError
+
+    params = request.sampling_params
+    max_num_seqs = engine.vllm_config.scheduler_config.max_num_seqs
+    if params.n > max_num_seqs:  # as the token endpoint refuses it
+        raise VLLMValidationError(
+            f"sampling_params.n must be at most the server's max_num_seqs ({max_num_seqs}), got {params.n}.",
+            parameter="n",
+        )
+    versions = token_versions(app)
+    params.output_kind = RequestOutputKind.FINAL_ONLY
+    engine_id = f"{ID_PREFIX}{request.request_id}"
+    final = None
+    try:
+        async for out in engine.generate(tokens_input(list(request.token_ids)), params, engine_id):
+            final = out
+        return answer(request.request_id, engine_id, final, versions)
+    finally:
+        versions.forget(engine_id, max(int(params.n), 1))
+
+
+__all__ = [
+    "FEATURES_PATH",
+    "FORCE_ENV",
+    "VERSION_PATH",
+    "active",
+    "answer",
+    "features",
+    "generate",
+    "set_version",
+    "token_versions",
+]
