@@ -12,7 +12,10 @@ Two ways of loading, chosen once per worker (:meth:`RLInferWorkerExtension.rlinf
 ``qkv_proj``), so partial updates need nothing else and the copies stay on the GPU. This is what RL trainers on vLLM do;
 rlinfer adds the checks. Nothing is written before every name, shape and dtype was checked (the
 facade also checked finiteness); an error inside vLLM after that (a CUDA fault) may leave a
-partial update and is reported as such.
+partial update and is reported as such. Where ``load_weights`` is nothing but copies into
+parameter slices (verified architectures, no TP/PP/LoRA), an update whose every tensor has such a
+slice is copied with one batched copy instead (:mod:`rlinfer_vllm.fast_load`;
+``RLINFER_VLLM_FAST_LOAD=0`` turns that off).
 
 *Reload* (everything else: CPU, quantized models, MLA): vLLM's layer-wise in-place reload
 (``Worker.reload_weights``) re-runs ``load_weights`` and the kernel processing (packing,
@@ -41,6 +44,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    from rlinfer_vllm.fast_load import FastLoader
+
 Pair = tuple[str, "torch.Tensor"]
 
 
@@ -58,6 +63,7 @@ class RLInferWorkerExtension:
     _rlinfer_shadow_dir: str | None
     _rlinfer_group: Any
     _rlinfer_tied: list[Any]  # modules whose kernel processing must follow a tied tensor
+    _rlinfer_fast: FastLoader | None  # in-place mode on an engine where fast loads can apply
 
     # --- setup --------------------------------------------------------------------------------
 
@@ -81,6 +87,7 @@ class RLInferWorkerExtension:
         from rlinfer_vllm.served import tied_modules
 
         self._rlinfer_tied = tied_modules(self.model_runner.get_model())
+        self._rlinfer_fast = self._rlinfer_fast_loader() if self._rlinfer_shadow is None else None
         quiet_buffer_only_layers(self.model_runner.get_model())  # "RotaryEmbedding: Failed to load weights"
         specs = self._rlinfer_specs.items()
         return [(name, str(dtype).removeprefix("torch."), list(shape)) for name, (dtype, shape) in specs]
@@ -95,6 +102,35 @@ class RLInferWorkerExtension:
         from vllm.model_executor.layers.attention import MLAAttention
 
         return not any(isinstance(m, MLAAttention) for m in self.model_runner.get_model().modules())
+
+    def _rlinfer_fast_loader(self) -> FastLoader | None:
+        """The batched loader for this in-place engine, or None where it can never apply."""
+        import logging
+
+        from rlinfer_vllm.fast_load import FastLoader, ineligible_reason
+
+        why_not = ineligible_reason(self.vllm_config, self.model_runner.get_model())
+        if why_not is not None:
+            logging.getLogger("rlinfer_vllm.worker").info("fast weight loading off: %s", why_not)
+            return None
+        served = self.vllm_config.model_config.dtype
+        return FastLoader(self.model_runner.get_model, self._rlinfer_specs, served)
+
+    def rlinfer_fast_load_state(self) -> dict[str, Any]:
+        """Whether updates can be loaded fast here and why not (``reason``), and how many of the
+        checkpoint's tensors have a parameter slice to be copied into (``mapped`` of ``total``)."""
+        from rlinfer_vllm.fast_load import ineligible_reason, parameter_views
+
+        model = self.model_runner.get_model()
+        reason = "reload mode (see rlinfer_loads_in_place)" if self._rlinfer_shadow is not None else None
+        reason = reason or ineligible_reason(self.vllm_config, model)
+        views = parameter_views(model, self._rlinfer_specs, self.vllm_config.model_config.dtype)
+        return {
+            "active": getattr(self, "_rlinfer_fast", None) is not None,
+            "reason": reason,
+            "mapped": sorted(views),
+            "total": len(self._rlinfer_specs),
+        }
 
     def _rlinfer_read_checkpoint(self, checkpoint_dtypes: bool) -> Iterable[tuple[str, torch.Tensor, torch.dtype]]:
         """(name, tensor as read, dtype rlinfer expects updates in) for every checkpoint tensor."""
@@ -235,6 +271,9 @@ class RLInferWorkerExtension:
     def rlinfer_shadow_from_dir(self, path: str) -> None:
         """Note that the engine now serves the checkpoint at ``path`` (loaded by vLLM itself)."""
         self._rlinfer_shadow_dir = path
+        fast = getattr(self, "_rlinfer_fast", None)
+        if fast is not None:
+            fast.invalidate()  # vLLM's reload may have replaced parameters
         self._rlinfer_after_reload()
 
     def rlinfer_weights_checksum(self, tied: dict[str, str]) -> list[tuple[str, str, list[int], str]]:
@@ -261,24 +300,37 @@ class RLInferWorkerExtension:
 
     def _rlinfer_apply(self, tensors: Sequence[Pair], map_s: float) -> dict[str, float]:
         """Load ``tensors`` all-or-nothing; return how many, and the seconds spent getting them
-        (``map_s``: mapping, reading or receiving) and loading them (``load_s``)."""
+        (``map_s``: mapping, reading or receiving) and loading them (``load_s``, checks included);
+        ``fast_load``: 1.0 where one batched copy loaded them (:mod:`rlinfer_vllm.fast_load`), with
+        ``fast_plan_s``, the time spent finding the parameter slices (0 once cached)."""
         started = time.perf_counter()
         self._rlinfer_check(tensors)
+        fast = getattr(self, "_rlinfer_fast", None)
+        timings: dict[str, float] = {"tensors": len(tensors), "map_s": map_s}
         if self._rlinfer_shadow is None:
-            self._rlinfer_load_in_place(tensors)
+            timings["fast_load"] = 1.0 if self._rlinfer_load_in_place(tensors, fast) else 0.0
+            if fast is not None:
+                timings["fast_plan_s"] = fast.plan_s
         else:
             self._rlinfer_reload(tensors, self._rlinfer_shadow)
-        return {"tensors": len(tensors), "map_s": map_s, "load_s": time.perf_counter() - started}
+            timings["fast_load"] = 0.0
+        timings["load_s"] = time.perf_counter() - started
+        return timings
 
-    def _rlinfer_load_in_place(self, tensors: Sequence[Pair]) -> None:
+    def _rlinfer_load_in_place(self, tensors: Sequence[Pair], fast: FastLoader | None) -> bool:
+        """Load ``tensors`` in place, with one batched copy where ``fast`` can (returns True),
+        else through ``load_weights``."""
         import torch
 
         from rlinfer_core.errors import WeightUpdateError
 
         try:
-            self.model_runner.get_model().load_weights(iter(tensors))
+            done = fast is not None and fast.load(tensors)
+            if not done:
+                self.model_runner.get_model().load_weights(iter(tensors))
             # the sender frees (or reuses) its buffers once this call returns
             torch.cuda.current_stream().synchronize()
+            return done
         except Exception as exc:
             raise WeightUpdateError(
                 "vLLM failed while loading in place; the engine may hold a partial update: send a full one",

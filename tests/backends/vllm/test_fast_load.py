@@ -1,0 +1,390 @@
+"""Fast in-place weight loading (rlinfer_vllm.fast_load): slice selection, the batched copy, the
+fallback decision.
+
+The unit tests run on CPU over ``CausalLMDouble``, a small torch module built here that has the
+layout vLLM's CUDA layers give Qwen2/Llama (fused ``qkv_proj``/``gate_up_proj`` with
+``output_sizes``, a vocabulary padded past the checkpoint's, a tied head that is the embedding's
+module, a rotary buffer). Its oracle, :func:`reference_load`, writes each checkpoint tensor the way
+vLLM's weight loaders do, from offsets spelled out by hand (not via served.py).
+
+The last test runs the real vLLM engine on CPU, where the fast path must not apply (the kernels
+repack their weights): the worker says why, an update reports ``fast_load`` 0, and parity holds.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, ClassVar
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from rlinfer_vllm import fast_load  # noqa: E402
+from rlinfer_vllm.fast_load import FastLoader, drop_overlaps, ineligible_reason, parameter_views  # noqa: E402
+
+HIDDEN, HEADS_Q, HEADS_KV, HEAD, INTER, VOCAB, PADDED = 8, 4, 2, 2, 12, 10, 16
+Q, KV = HEADS_Q * HEAD, HEADS_KV * HEAD
+
+
+def _param(*shape: int) -> Any:
+    return torch.nn.Parameter(torch.zeros(*shape), requires_grad=False)
+
+
+class FusedLinearDouble(torch.nn.Module):
+    """Stands in for QKVParallelLinear / MergedColumnParallelLinear: one weight, parts by rows."""
+
+    def __init__(self, output_sizes: list[int], cols: int, bias: bool = False) -> None:
+        super().__init__()
+        self.output_sizes = output_sizes
+        self.weight = _param(sum(output_sizes), cols)
+        self.bias = _param(sum(output_sizes)) if bias else None
+
+
+class PlainDouble(torch.nn.Module):
+    """Stands in for RowParallelLinear, RMSNorm and VocabParallelEmbedding (a padded vocabulary)."""
+
+    def __init__(self, *shape: int) -> None:
+        super().__init__()
+        self.weight = _param(*shape)
+
+
+class LayerDouble(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.self_attn = torch.nn.Module()
+        self.self_attn.qkv_proj = FusedLinearDouble([Q, KV, KV], HIDDEN, bias=True)
+        self.self_attn.o_proj = PlainDouble(HIDDEN, Q)
+        self.self_attn.rotary_emb = torch.nn.Module()
+        self.self_attn.rotary_emb.register_buffer("inv_freq", torch.ones(HEAD // 2))
+        self.mlp = torch.nn.Module()
+        self.mlp.gate_up_proj = FusedLinearDouble([INTER, INTER], HIDDEN)
+        self.mlp.down_proj = PlainDouble(HIDDEN, INTER)
+        self.input_layernorm = PlainDouble(HIDDEN)
+
+
+class CausalLMDouble(torch.nn.Module):
+    """Two layers; ``tied``: ``lm_head`` is the embedding module (as Qwen2ForCausalLM does)."""
+
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+
+    def __init__(self, tied: bool) -> None:
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.embed_tokens = PlainDouble(PADDED, HIDDEN)
+        self.model.layers = torch.nn.ModuleList([LayerDouble(), LayerDouble()])
+        self.model.norm = PlainDouble(HIDDEN)
+        self.lm_head = self.model.embed_tokens if tied else PlainDouble(PADDED, HIDDEN)
+
+
+def checkpoint_shapes(tied: bool) -> dict[str, tuple[int, ...]]:
+    """HF names and shapes of the double's checkpoint."""
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (VOCAB, HIDDEN), "model.norm.weight": (HIDDEN,)}
+    for i in range(2):
+        p = f"model.layers.{i}"
+        out |= {
+            f"{p}.self_attn.q_proj.weight": (Q, HIDDEN),
+            f"{p}.self_attn.k_proj.weight": (KV, HIDDEN),
+            f"{p}.self_attn.v_proj.weight": (KV, HIDDEN),
+            f"{p}.self_attn.q_proj.bias": (Q,),
+            f"{p}.self_attn.k_proj.bias": (KV,),
+            f"{p}.self_attn.v_proj.bias": (KV,),
+            f"{p}.self_attn.o_proj.weight": (HIDDEN, Q),
+            f"{p}.mlp.gate_proj.weight": (INTER, HIDDEN),
+            f"{p}.mlp.up_proj.weight": (INTER, HIDDEN),
+            f"{p}.mlp.down_proj.weight": (HIDDEN, INTER),
+            f"{p}.input_layernorm.weight": (HIDDEN,),
+        }
+    if not tied:
+        out["lm_head.weight"] = (VOCAB, HIDDEN)
+    return out
+
+
+def specs_of(shapes: dict[str, tuple[int, ...]], dtype: Any = None) -> dict[str, tuple[Any, tuple[int, ...]]]:
+    return {name: (dtype or torch.float32, shape) for name, shape in shapes.items()}
+
+
+#: rows of each part in its fused parameter, as vLLM's weight loaders place them
+ROWS = {"q_proj": (0, Q), "k_proj": (Q, Q + KV), "v_proj": (Q + KV, Q + 2 * KV), "gate_proj": (0, INTER)}
+ROWS["up_proj"] = (INTER, 2 * INTER)
+FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj"}
+FUSED["up_proj"] = "gate_up_proj"
+
+
+def reference_load(model: Any, name: str, tensor: Any) -> None:
+    """What vLLM's weight loaders do with one checkpoint tensor (TP 1, unquantized, CUDA)."""
+    path, _, attr = name.rpartition(".")
+    parent, _, leaf = path.rpartition(".")
+    if name == "lm_head.weight" and model.lm_head is model.model.embed_tokens:
+        return  # load_weights skips lm_head.* for a tied model
+    if leaf in FUSED:
+        start, stop = ROWS[leaf]
+        getattr(model.get_submodule(f"{parent}.{FUSED[leaf]}"), attr).data[start:stop].copy_(tensor)
+    elif leaf in ("embed_tokens", "lm_head"):
+        weight = model.get_submodule(path).weight.data
+        weight[:VOCAB].copy_(tensor)
+        weight[VOCAB:].fill_(0)
+    else:
+        getattr(model.get_submodule(path), attr).data.copy_(tensor)
+
+
+def random_update(shapes: dict[str, tuple[int, ...]], seed: int) -> list[tuple[str, Any]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [(name, torch.randn(shape, generator=gen)) for name, shape in shapes.items()]
+
+
+def snapshot(model: Any) -> dict[str, Any]:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def assert_same_params(a: Any, b: Any) -> None:
+    sa, sb = snapshot(a), snapshot(b)
+    assert sa.keys() == sb.keys()
+    for name in sa:
+        assert torch.equal(sa[name], sb[name]), name
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_every_checkpoint_tensor_has_a_parameter_slice(tied: bool) -> None:
+    model = CausalLMDouble(tied)
+    shapes = checkpoint_shapes(tied)
+    views = parameter_views(model, specs_of(shapes), torch.float32)
+    assert set(views) == set(shapes)
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    assert all(v.untyped_storage().data_ptr() in storages for v in views.values())
+    assert "model.layers.0.self_attn.rotary_emb.inv_freq" not in views
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_fast_load_matches_the_weight_loaders(tied: bool) -> None:
+    fast_model, reference = CausalLMDouble(tied), CausalLMDouble(tied)
+    shapes = checkpoint_shapes(tied)
+    loader = FastLoader(lambda: fast_model, specs_of(shapes), torch.float32)
+    for seed in (1, 2):
+        update = random_update(shapes, seed)
+        assert loader.load(update)
+        for name, tensor in update:
+            reference_load(reference, name, tensor)
+        assert_same_params(fast_model, reference)
+    assert torch.count_nonzero(fast_model.model.embed_tokens.weight[VOCAB:]) == 0  # padding kept zero
+    assert fast_model.model.embed_tokens.weight[:VOCAB].abs().sum() > 0
+    if tied:  # the head reads the embedding's tensor: the update reached it
+        assert torch.equal(fast_model.lm_head.weight[:VOCAB], update[0][1])
+
+
+def test_partial_update_of_one_fused_part_writes_only_its_rows() -> None:
+    model = CausalLMDouble(tied=False)
+    shapes = checkpoint_shapes(tied=False)
+    loader = FastLoader(lambda: model, specs_of(shapes), torch.float32)
+    before = snapshot(model)
+    k = torch.full((KV, HIDDEN), 3.0)
+    assert loader.load([("model.layers.1.self_attn.k_proj.weight", k)])
+    after = snapshot(model)
+    changed = {name for name in before if not torch.equal(before[name], after[name])}
+    assert changed == {"model.layers.1.self_attn.qkv_proj.weight"}
+    qkv = after["model.layers.1.self_attn.qkv_proj.weight"]
+    assert torch.equal(qkv[Q : Q + KV], k) and torch.count_nonzero(qkv[:Q]) == 0
+    assert torch.count_nonzero(qkv[Q + KV :]) == 0
+
+
+@pytest.mark.parametrize("tie", ["module", "tensor"])
+def test_tied_checkpoint_listing_the_head_falls_back(tie: str) -> None:
+    """A tied model whose checkpoint also lists lm_head.weight (load_weights skips it). Tied by
+    module (Qwen2): lm_head is no module of its own, so that name has no slice. Tied by tensor
+    (Llama's tie_weights): the two names share bytes, so neither has one. Updates with a name
+    without a slice take load_weights."""
+    model = CausalLMDouble(tied=True)
+    if tie == "tensor":
+        model.lm_head = PlainDouble(PADDED, HIDDEN)
+        model.lm_head.weight = model.model.embed_tokens.weight
+    shapes = checkpoint_shapes(tied=True) | {"lm_head.weight": (VOCAB, HIDDEN)}
+    loader = FastLoader(lambda: model, specs_of(shapes), torch.float32)
+    expected_missing = {"lm_head.weight"} if tie == "module" else {"lm_head.weight", "model.embed_tokens.weight"}
+    assert set(shapes) - set(loader.views()) == expected_missing
+    before = snapshot(model)
+    assert not loader.load([("lm_head.weight", torch.ones(VOCAB, HIDDEN)), ("model.norm.weight", torch.ones(HIDDEN))])
+    assert_same_params(model, _with(before))
+    assert loader.load([("model.norm.weight", torch.ones(HIDDEN))])
+    if tie == "module":  # the embedding alone has its slice, and the head reads it
+        assert loader.load([("model.embed_tokens.weight", torch.ones(VOCAB, HIDDEN))])
+        assert torch.equal(model.lm_head.weight[:VOCAB], torch.ones(VOCAB, HIDDEN))
+
+
+def _with(params: dict[str, Any]) -> Any:
+    """A model holding ``params`` (to compare a model against a snapshot)."""
+    twin = CausalLMDouble(tied=True)
+    for name, p in twin.named_parameters():
+        p.data.copy_(params[name])
+    return twin
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ("model.layers.0.self_attn.rotary_emb.inv_freq", torch.ones(HEAD // 2)),  # a buffer
+        ("model.layers.9.mlp.up_proj.weight", torch.ones(INTER, HIDDEN)),  # no such module
+        ("model.norm.weight", torch.ones(HIDDEN, dtype=torch.float64)),  # another dtype
+        ("model.norm.weight", torch.ones(HIDDEN + 1)),  # another shape
+    ],
+    ids=["buffer", "unknown", "dtype", "shape"],
+)
+def test_one_tensor_without_a_slice_means_nothing_written(bad: tuple[str, Any]) -> None:
+    model = CausalLMDouble(tied=False)
+    shapes = checkpoint_shapes(tied=False) | {"model.layers.0.self_attn.rotary_emb.inv_freq": (HEAD // 2,)}
+    loader = FastLoader(lambda: model, specs_of(shapes), torch.float32)
+    update = [*random_update(checkpoint_shapes(tied=False), seed=3), bad]
+    assert not loader.load(update)
+    assert all(torch.count_nonzero(p) == 0 for p in model.parameters())
+
+
+def test_served_dtype_other_than_the_checkpoint_falls_back() -> None:
+    """dtype="auto" with a bf16 checkpoint on a float32 engine: load_weights casts, we do not."""
+    model = CausalLMDouble(tied=False)
+    shapes = checkpoint_shapes(tied=False)
+    assert parameter_views(model, specs_of(shapes, torch.bfloat16), torch.float32) == {}
+
+
+def test_a_copy_is_not_a_destination(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where served.py reads a weight back through a kernel (CPU), the result is a new tensor:
+    writing it would change nothing the engine serves."""
+    from rlinfer_vllm import served
+
+    real = served.served_tensors
+
+    def with_copies(model: Any, names: Any, dtype: Any) -> dict[str, Any]:
+        out = real(model, names, dtype)
+        return {n: t.clone() if n.endswith("o_proj.weight") else t for n, t in out.items()}
+
+    monkeypatch.setattr(served, "served_tensors", with_copies)
+    model = CausalLMDouble(tied=False)
+    shapes = checkpoint_shapes(tied=False)
+    views = parameter_views(model, specs_of(shapes), torch.float32)
+    assert set(shapes) - set(views) == {f"model.layers.{i}.self_attn.o_proj.weight" for i in range(2)}
+
+
+def test_views_are_cached_until_a_parameter_is_replaced() -> None:
+    model = CausalLMDouble(tied=False)
+    shapes = checkpoint_shapes(tied=False)
+    loader = FastLoader(lambda: model, specs_of(shapes), torch.float32)
+    first = loader.views()
+    assert loader.plan_s > 0
+    assert loader.views() is first and loader.plan_s == 0.0
+    # a full reload may give a parameter new memory: the old views would write into nothing served
+    model.model.norm.weight.data = torch.zeros(HIDDEN)
+    assert loader.load([("model.norm.weight", torch.full((HIDDEN,), 2.0))])
+    assert loader.plan_s > 0
+    assert torch.equal(model.model.norm.weight, torch.full((HIDDEN,), 2.0))
+    loader.invalidate()
+    assert loader.views() is not first and loader.plan_s > 0
+
+
+def test_drop_overlaps_removes_every_name_sharing_bytes() -> None:
+    base = torch.zeros(20, 2)
+    other = torch.zeros(4, 2)
+    views = {"a": base[0:10], "b": base[2:4], "c": base[8:12], "d": base[12:20], "e": other[0:4], "f": base[0:0]}
+    kept = drop_overlaps(views)
+    assert set(kept) == {"d", "e", "f"}
+
+
+def _config(**over: Any) -> Any:
+    fields = {
+        "device": "cuda",
+        "quantization": None,
+        "tp": 1,
+        "pp": 1,
+        "lora": None,
+    } | over
+    return SimpleNamespace(
+        device_config=SimpleNamespace(device_type=fields["device"]),
+        model_config=SimpleNamespace(quantization=fields["quantization"]),
+        parallel_config=SimpleNamespace(tensor_parallel_size=fields["tp"], pipeline_parallel_size=fields["pp"]),
+        lora_config=fields["lora"],
+    )
+
+
+def qwen2_double() -> Any:
+    """An object whose class is named as vLLM's Qwen2 model class (all the check looks at)."""
+    return type("Qwen2ForCausalLM", (), {})()
+
+
+@pytest.mark.parametrize(
+    ("over", "words"),
+    [
+        ({"device": "cpu"}, "device cpu"),
+        ({"quantization": "fp8"}, "quantized"),
+        ({"tp": 2}, "parallelism"),
+        ({"pp": 2}, "parallelism"),
+        ({"lora": object()}, "LoRA"),
+    ],
+)
+def test_ineligible_engines(over: dict[str, Any], words: str) -> None:
+    reason = ineligible_reason(_config(**over), qwen2_double())
+    assert reason is not None and words in reason
+
+
+def test_eligible_engine_and_switches(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(fast_load.ENV, raising=False)
+    assert ineligible_reason(_config(), qwen2_double()) is None
+    reason = ineligible_reason(_config(), CausalLMDouble(tied=False))
+    assert reason is not None and "not verified" in reason
+    monkeypatch.setenv(fast_load.ENV, "0")
+    reason = ineligible_reason(_config(), qwen2_double())
+    assert reason is not None and fast_load.ENV in reason
+
+
+# --- the real engine on CPU ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine_and_models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Path, Path]]:
+    pytest.importorskip("vllm")
+    from vllm_test_helpers import ENGINE_FIELDS
+
+    from rlinfer_core.engine import open_engine
+    from rlinfer_core.tiny_model import make_tiny_model
+
+    root = tmp_path_factory.mktemp("vllm-fast-load")
+    models = make_tiny_model(root / "seed0", seed=0), make_tiny_model(root / "seed1", seed=1)  # llama, untied
+    eng = open_engine("vllm", model=str(models[0]), load_entry_point_plugins=False, **ENGINE_FIELDS)
+    try:
+        yield eng, *models
+    finally:
+        eng.shutdown()
+
+
+def test_cpu_engine_falls_back_and_keeps_parity(
+    engine_and_models: tuple[Any, Path, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    from vllm_test_helpers import PROMPTS, hf_greedy, state_dict
+
+    from rlinfer_core.types import GenerateRequest, SamplingParams
+    from rlinfer_core.weights import NamedTensors
+
+    engine, base, other = engine_and_models
+    backend = engine.async_engine._backend
+    state = engine._run(backend._rpc("rlinfer_fast_load_state"))
+    assert not state["active"] and "reload mode" in state["reason"]
+    # the selection itself on the real module tree: linear layers' weights are read back through
+    # their repacked CPU kernels (copies, no slice to write); embeddings and norms are views
+    mapped = set(state["mapped"])
+    assert "model.embed_tokens.weight" in mapped and "model.norm.weight" in mapped
+    assert not any(n.endswith(("q_proj.weight", "gate_proj.weight", "o_proj.weight")) for n in mapped)
+    assert len(mapped) < state["total"]
+
+    weights = state_dict(other)
+    with caplog.at_level(logging.DEBUG, logger="rlinfer_vllm.backend"):
+        engine.update_weights(NamedTensors.of(weights))
+    timings = [r.args[1] for r in caplog.records if r.name == "rlinfer_vllm.backend" and "worker" in r.msg]
+    assert timings and timings[-1]["fast_load"] == 0.0 and timings[-1]["load_s"] > 0
+    assert engine.verify_weights(weights).ok
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    out = engine.generate([GenerateRequest(prompt_token_ids=p, sampling=params) for p in PROMPTS])
+    assert [list(c.token_ids) for c in out] == hf_greedy(other, weights, PROMPTS, 6)
+    engine.update_weights(NamedTensors.of(state_dict(base)))
+    assert engine.verify_weights(state_dict(base)).ok
