@@ -27,6 +27,7 @@ import datetime
 import functools
 import json
 import logging
+import os
 import platform
 import statistics
 import subprocess
@@ -148,6 +149,34 @@ def breakdown(engine: Any, tensors: list[tuple[str, Any]], nbytes: int, repeats:
     return out
 
 
+class WorkerTimings(logging.Handler):
+    """The worker's own timings of each update, read from the backend's debug log line (the vLLM
+    backend logs a dict with ``load_s``, ``map_s`` in ms and ``fast_load``: 1.0 where one batched
+    copy loaded the update, see rlinfer_vllm.fast_load). Nothing is collected for backends
+    without such a line."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.rows: list[dict[str, float]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        """Keep the dict argument of a record that carries worker timings."""
+        args = record.args if isinstance(record.args, tuple) else ()
+        self.rows.extend(dict(a) for a in args if isinstance(a, dict) and "load_s" in a)
+
+    def summary(self) -> dict[str, Any]:
+        """Medians in ms of the rows' timing keys, and how many updates were loaded fast."""
+        if not self.rows:
+            return {}
+        keys = sorted({k for row in self.rows for k in row if k.endswith("_s")})
+        out: dict[str, Any] = {
+            f"{k.removesuffix('_s')}_ms": statistics.median(r[k] for r in self.rows if k in r) for k in keys
+        }
+        out["fast_load_updates"] = sum(1 for r in self.rows if r.get("fast_load") == 1.0)
+        out["updates"] = len(self.rows)
+        return out
+
+
 class UpdateTimes:
     """rlinfer event plugin: each weight update's seconds after validation (the facade's event)."""
 
@@ -197,6 +226,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     result["config"] = attrs.asdict(config)
     update_times = UpdateTimes()
+    worker_timings = WorkerTimings()
+    logging.getLogger(f"rlinfer_{args.backend}").addHandler(worker_timings)
+    result["fast_load_env"] = os.environ.get("RLINFER_VLLM_FAST_LOAD")  # "0": the A/B baseline
     start_s, engine = timed(
         lambda: rl_engine.open_engine(args.backend, config, load_entry_point_plugins=False, plugins=[update_times])
     )
@@ -231,6 +263,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             after_b = tokens()
             seconds: list[float] = []
             update_times.seconds.clear()
+            worker_timings.rows.clear()
             sets = [a, b]
             for i in range(args.repeats):
                 source = NamedTensors.of(sets[i % 2])
@@ -250,6 +283,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             update["breakdown"] = breakdown(engine, a, nbytes, args.repeats)
             # the facade's event: everything after validation (pack, transfer, load, prefix reset)
             update["breakdown"]["backend_s"] = statistics.median(update_times.seconds)
+            # inside the worker: mapping the handles (map_ms), checks + load (load_ms), fast path
+            update["breakdown"]["worker"] = worker_timings.summary()
             after_a = tokens()
             if engine.capabilities.supports(Capability.WEIGHTS_CHECKSUM):
                 # the served weights against A, bit for bit, computed inside the engine
@@ -336,6 +371,13 @@ def summary(result: dict[str, Any]) -> str:
             f"backend + prefix reset {b['backend_s'] * 1e3:.1f} ms, "
             f"d2d copy floor {b['d2d_copy_floor_s'] * 1e3:.2f} ms ({b['d2d_copy_floor_gb_per_s']:.0f} GB/s)"
         )
+        worker = b.get("worker") or {}
+        if "load_ms" in worker:
+            lines.append(
+                f"worker: map {worker.get('map_ms', float('nan')):.2f} ms, load {worker['load_ms']:.2f} ms "
+                f"(fast load on {worker['fast_load_updates']}/{worker['updates']} updates; "
+                f"RLINFER_VLLM_FAST_LOAD={result.get('fast_load_env')})"
+            )
     lines += [f"ERROR {e}" for e in result.get("errors", [])]
     return "\n".join(lines)
 
