@@ -60,7 +60,7 @@ test-vllm-server-ci: env-vllm
 # driven over HTTP (main engine, two extra architectures, fault matrix), then the attach tests
 test-sglang-server: env-sglang
 	timeout 2400 $(VENVS)/sglang/bin/rlinfer conformance --backend sglang --report out/conformance-sglang-server.json -- --rlinfer-config mode=server
-	RLINFER_SGLANG_SERVER_TESTS=1 timeout 900 $(VENVS)/sglang/bin/python -m pytest tests/backends/sglang/test_sglang_server_attach.py -q -p no:cacheprovider
+	RLINFER_SGLANG_SERVER_TESTS=1 timeout 900 $(VENVS)/sglang/bin/python -m pytest tests/backends/sglang/test_sglang_server_attach.py tests/backends/sglang/test_sglang_server_old_update.py -q -p no:cacheprovider
 
 # the essential subset for CI (~3-5 min, in `make test`): the kit on one server engine
 # (generate, weights, versions, pause, abort, errors), without the extra engines of the fault
