@@ -22,10 +22,12 @@ which maps checkpoint names onto the tensors the engine serves) and keeps a name
 slice is a contiguous view into a parameter's storage with the checkpoint's dtype and shape, and
 shares no byte with another name's slice. A tied head is one parameter (Qwen2 and Llama make
 ``lm_head`` the embedding's module or tensor), so writing ``model.embed_tokens.weight`` updates the
-head; a checkpoint that also lists ``lm_head.weight`` for a tied model (which ``load_weights``
-skips) maps two names onto the same bytes, so both are left out and such updates take the normal
-path. An update is loaded fast only when *every* tensor has a slice on its device in its dtype
-(:meth:`FastLoader.load`); otherwise the caller uses ``load_weights`` as before.
+head. ``lm_head.*`` tensors of a tied model, which these architectures' ``load_weights`` skips
+(``skip_prefixes``), are skipped here too (:func:`skipped_names`). A Llama-style tie (two modules,
+one tensor) that a checkpoint lists under both names would otherwise be two names on the same
+bytes: :func:`drop_overlaps` leaves such names out. An update is loaded fast only when *every*
+tensor has a slice on its device in its dtype (:meth:`FastLoader.load`); otherwise the caller
+uses ``load_weights`` as before.
 
 ``RLINFER_VLLM_FAST_LOAD=0`` in the engine's environment turns it off (A/B comparisons).
 """
@@ -33,7 +35,7 @@ path. An update is loaded fast only when *every* tensor has a slice on its devic
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -100,13 +102,24 @@ def drop_overlaps(views: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: v for name, v in views.items() if name not in clash}
 
 
+def skipped_names(model: Any, names: Iterable[str]) -> frozenset[str]:
+    """The names that ``load_weights`` of the verified architectures ignores: ``lm_head.*`` when
+    the model ties its head to the embedding (``skip_prefixes=["lm_head."]``)."""
+    if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        return frozenset()
+    return frozenset(n for n in names if n.startswith("lm_head."))
+
+
 def parameter_views(model: Any, specs: Specs, served_dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Checkpoint name -> the slice of a parameter that ``load_weights`` writes it to, for every
-    name that has one with the checkpoint's dtype and shape (see the module docstring)."""
+    name that has one with the checkpoint's dtype and shape (see the module docstring); names in
+    :func:`skipped_names` have none."""
     from rlinfer_vllm.served import served_tensors
 
     storages = {p.untyped_storage().data_ptr() for p in model.parameters() if p.numel() > 0}
-    served = served_tensors(model, {name: shape for name, (_, shape) in specs.items()}, served_dtype)
+    skipped = skipped_names(model, specs)
+    shapes = {name: shape for name, (_, shape) in specs.items() if name not in skipped}
+    served = served_tensors(model, shapes, served_dtype)
     views: dict[str, torch.Tensor] = {}
     for name, tensor in served.items():
         dtype, shape = specs[name]
@@ -136,6 +149,7 @@ class FastLoader:
         self._specs = specs
         self._dtype = served_dtype
         self._views: dict[str, torch.Tensor] = {}
+        self._skipped: frozenset[str] = frozenset()
         self._key: tuple[Any, ...] | None = None
         #: seconds spent building the views at the last :meth:`views` call (0.0 when cached)
         self.plan_s = 0.0
@@ -156,6 +170,7 @@ class FastLoader:
             started = time.perf_counter()
             self.invalidate()
             self._views = parameter_views(model, self._specs, self._dtype)
+            self._skipped = skipped_names(model, self._specs)
             self._key = key
             self.plan_s = time.perf_counter() - started
         return self._views
@@ -163,19 +178,23 @@ class FastLoader:
     def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> bool:
         """Copy every tensor into its slice with one ``torch._foreach_copy_`` and return True, or
         write nothing and return False when some tensor has no slice on its device in its dtype
-        and shape. The copies are asynchronous: the caller synchronizes the stream."""
+        and shape. Tensors that ``load_weights`` skips are skipped. The copies are asynchronous:
+        the caller synchronizes the stream."""
         import torch
 
         views = self.views()
-        dests = []
+        dests, srcs = [], []
         for name, tensor in tensors:
+            if name in self._skipped:
+                continue
             dest = views.get(name)
             if dest is None or dest.device != tensor.device or dest.dtype != tensor.dtype:
                 return False
             if dest.shape != tensor.shape:
                 return False
             dests.append(dest)
+            srcs.append(tensor)
         if dests:
             with torch.no_grad():
-                torch._foreach_copy_(dests, [t for _, t in tensors], non_blocking=True)
+                torch._foreach_copy_(dests, srcs, non_blocking=True)
         return True

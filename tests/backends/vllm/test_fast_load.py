@@ -81,6 +81,7 @@ class CausalLMDouble(torch.nn.Module):
         self.model.layers = torch.nn.ModuleList([LayerDouble(), LayerDouble()])
         self.model.norm = PlainDouble(HIDDEN)
         self.lm_head = self.model.embed_tokens if tied else PlainDouble(PADDED, HIDDEN)
+        self.config = SimpleNamespace(tie_word_embeddings=tied)
 
 
 def checkpoint_shapes(tied: bool) -> dict[str, tuple[int, ...]]:
@@ -143,11 +144,15 @@ def snapshot(model: Any) -> dict[str, Any]:
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
+def assert_unchanged(model: Any, before: dict[str, Any]) -> None:
+    now = snapshot(model)
+    assert now.keys() == before.keys()
+    for name in now:
+        assert torch.equal(now[name], before[name]), name
+
+
 def assert_same_params(a: Any, b: Any) -> None:
-    sa, sb = snapshot(a), snapshot(b)
-    assert sa.keys() == sb.keys()
-    for name in sa:
-        assert torch.equal(sa[name], sb[name]), name
+    assert_unchanged(a, snapshot(b))
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -194,34 +199,37 @@ def test_partial_update_of_one_fused_part_writes_only_its_rows() -> None:
 
 
 @pytest.mark.parametrize("tie", ["module", "tensor"])
-def test_tied_checkpoint_listing_the_head_falls_back(tie: str) -> None:
-    """A tied model whose checkpoint also lists lm_head.weight (load_weights skips it). Tied by
-    module (Qwen2): lm_head is no module of its own, so that name has no slice. Tied by tensor
-    (Llama's tie_weights): the two names share bytes, so neither has one. Updates with a name
-    without a slice take load_weights."""
+def test_tied_checkpoint_listing_the_head_skips_it(tie: str) -> None:
+    """A tied model whose checkpoint also lists lm_head.weight: load_weights skips it (its
+    skip_prefixes), and so does the fast path, tied by module (Qwen2) or by tensor (Llama)."""
     model = CausalLMDouble(tied=True)
     if tie == "tensor":
         model.lm_head = PlainDouble(PADDED, HIDDEN)
         model.lm_head.weight = model.model.embed_tokens.weight
     shapes = checkpoint_shapes(tied=True) | {"lm_head.weight": (VOCAB, HIDDEN)}
     loader = FastLoader(lambda: model, specs_of(shapes), torch.float32)
-    expected_missing = {"lm_head.weight"} if tie == "module" else {"lm_head.weight", "model.embed_tokens.weight"}
-    assert set(shapes) - set(loader.views()) == expected_missing
+    assert set(shapes) - set(loader.views()) == {"lm_head.weight"}
+    head, embed = torch.full((VOCAB, HIDDEN), 5.0), torch.full((VOCAB, HIDDEN), 7.0)
+    assert loader.load([("lm_head.weight", head), ("model.embed_tokens.weight", embed)])
+    assert torch.equal(model.lm_head.weight[:VOCAB], embed)  # the head reads the embedding
+    reference = CausalLMDouble(tied=True)
+    reference_load(reference, "lm_head.weight", head)
+    reference_load(reference, "model.embed_tokens.weight", embed)
+    assert torch.equal(reference.model.embed_tokens.weight, model.model.embed_tokens.weight)
+
+
+def test_names_sharing_bytes_fall_back() -> None:
+    """A head tied by tensor that the config does not declare tied: load_weights would write
+    both names into one tensor, in checkpoint order. Neither name gets a slice."""
+    model = CausalLMDouble(tied=False)
+    model.lm_head.weight = model.model.embed_tokens.weight
+    shapes = checkpoint_shapes(tied=False)
+    loader = FastLoader(lambda: model, specs_of(shapes), torch.float32)
+    assert set(shapes) - set(loader.views()) == {"lm_head.weight", "model.embed_tokens.weight"}
     before = snapshot(model)
-    assert not loader.load([("lm_head.weight", torch.ones(VOCAB, HIDDEN)), ("model.norm.weight", torch.ones(HIDDEN))])
-    assert_same_params(model, _with(before))
+    assert not loader.load([("model.norm.weight", torch.ones(HIDDEN)), ("lm_head.weight", torch.ones(VOCAB, HIDDEN))])
+    assert_unchanged(model, before)
     assert loader.load([("model.norm.weight", torch.ones(HIDDEN))])
-    if tie == "module":  # the embedding alone has its slice, and the head reads it
-        assert loader.load([("model.embed_tokens.weight", torch.ones(VOCAB, HIDDEN))])
-        assert torch.equal(model.lm_head.weight[:VOCAB], torch.ones(VOCAB, HIDDEN))
-
-
-def _with(params: dict[str, Any]) -> Any:
-    """A model holding ``params`` (to compare a model against a snapshot)."""
-    twin = CausalLMDouble(tied=True)
-    for name, p in twin.named_parameters():
-        p.data.copy_(params[name])
-    return twin
 
 
 @pytest.mark.parametrize(
