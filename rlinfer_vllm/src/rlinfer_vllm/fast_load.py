@@ -34,6 +34,7 @@ uses ``load_weights`` as before.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -169,8 +170,12 @@ class FastLoader:
         if key != self._key:
             started = time.perf_counter()
             self.invalidate()
-            self._views = parameter_views(model, self._specs, self._dtype)
-            self._skipped = skipped_names(model, self._specs)
+            try:
+                self._views = parameter_views(model, self._specs, self._dtype)
+                self._skipped = skipped_names(model, self._specs)
+            except Exception:  # a layout this module does not know: every update takes load_weights
+                logging.getLogger("rlinfer_vllm.worker").warning("fast load: no plan", exc_info=True)
+                self._views, self._skipped = {}, frozenset()
             self._key = key
             self.plan_s = time.perf_counter() - started
         return self._views

@@ -276,6 +276,19 @@ def test_a_copy_is_not_a_destination(monkeypatch: pytest.MonkeyPatch) -> None:
     assert set(shapes) - set(views) == {f"model.layers.{i}.self_attn.o_proj.weight" for i in range(2)}
 
 
+def test_a_layout_the_plan_cannot_read_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rlinfer_vllm import served
+
+    def broken(model: Any, names: Any, dtype: Any) -> dict[str, Any]:
+        raise RuntimeError("unexpected module layout")
+
+    monkeypatch.setattr(served, "served_tensors", broken)
+    model = CausalLMDouble(tied=False)
+    loader = FastLoader(lambda: model, specs_of(checkpoint_shapes(tied=False)), torch.float32)
+    assert not loader.load([("model.norm.weight", torch.ones(HIDDEN))])
+    assert torch.count_nonzero(model.model.norm.weight) == 0
+
+
 def test_views_are_cached_until_a_parameter_is_replaced() -> None:
     model = CausalLMDouble(tied=False)
     shapes = checkpoint_shapes(tied=False)
