@@ -70,7 +70,11 @@ class WeightChannel(BackendBase):
         result = self._result_dir / uuid.uuid4().hex
         pairs = [encode_control({**control, "result": str(result)}), *tensors]
         loop = asyncio.get_running_loop()
-        payload = await loop.run_in_executor(None, MultiprocessingSerializer.serialize, pairs)
+        # one serialization per TP rank: a CPU tensor travels as a file descriptor that
+        # multiprocessing's resource sharer hands out once, so ranks cannot share one payload
+        payloads = [
+            await loop.run_in_executor(None, MultiprocessingSerializer.serialize, pairs) for _ in range(self._tp_size)
+        ]
         # SGLang >= 0.5.2x wraps tensor updates in begin/end_weight_update; 0.5.16 has neither.
         begin = getattr(io_struct, "BeginWeightUpdateReqInput", None)
         end = getattr(io_struct, "EndWeightUpdateReqInput", None)
@@ -81,7 +85,7 @@ class WeightChannel(BackendBase):
             # request is held by pause(keep) (measured on an H100): flush at the facade's reset
             flush = False
         req = UpdateWeightsFromTensorReqInput(
-            serialized_named_tensors=[payload] * self._tp_size, load_format=WEIGHT_LOADER, flush_cache=flush
+            serialized_named_tensors=payloads, load_format=WEIGHT_LOADER, flush_cache=flush
         )
         if begin is not None:
             ok, message = await self._guard(tm.begin_weight_update(begin(), None))
