@@ -379,6 +379,13 @@ def engine_and_models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tupl
         eng.shutdown()
 
 
+def worker_timings(caplog: pytest.LogCaptureFixture) -> dict[str, Any]:
+    """The worker's timings of the last update (the backend's debug line)."""
+    rows = [r.args[1] for r in caplog.records if r.name == "rlinfer_vllm.backend" and "worker" in str(r.msg)]
+    assert rows and isinstance(rows[-1], dict)
+    return rows[-1]
+
+
 def test_cpu_engine_falls_back_and_keeps_parity(
     engine_and_models: tuple[Any, Path, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -389,6 +396,8 @@ def test_cpu_engine_falls_back_and_keeps_parity(
 
     engine, base, other = engine_and_models
     backend = engine.async_engine._backend
+    if backend.platform != "cpu":
+        pytest.skip("the CPU fallback; test_cuda_engine_loads_fast covers CUDA")
     state = engine._run(backend._rpc("rlinfer_fast_load_state"))
     assert not state["active"] and "reload mode" in state["reason"]
     # the selection itself on the real module tree: linear layers' weights are read back through
@@ -401,11 +410,41 @@ def test_cpu_engine_falls_back_and_keeps_parity(
     weights = state_dict(other)
     with caplog.at_level(logging.DEBUG, logger="rlinfer_vllm.backend"):
         engine.update_weights(NamedTensors.of(weights))
-    timings = [r.args[1] for r in caplog.records if r.name == "rlinfer_vllm.backend" and "worker" in r.msg]
-    assert timings and timings[-1]["fast_load"] == 0.0 and timings[-1]["load_s"] > 0
+    timings = worker_timings(caplog)
+    assert timings["fast_load"] == 0.0 and timings["load_s"] > 0
     assert engine.verify_weights(weights).ok
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     out = engine.generate([GenerateRequest(prompt_token_ids=p, sampling=params) for p in PROMPTS])
     assert [list(c.token_ids) for c in out] == hf_greedy(other, weights, PROMPTS, 6)
     engine.update_weights(NamedTensors.of(state_dict(base)))
     assert engine.verify_weights(state_dict(base)).ok
+
+
+def test_cuda_engine_loads_fast(engine_and_models: tuple[Any, Path, Path], caplog: pytest.LogCaptureFixture) -> None:
+    """On a GPU (vLLM CUDA build): CUDA tensors load by the batched copy, full or partial, and the
+    served weights are then bit-equal to them; host tensors take load_weights."""
+    from vllm_test_helpers import state_dict
+
+    from rlinfer_core.weights import NamedTensors
+
+    engine, base, other = engine_and_models
+    backend = engine.async_engine._backend
+    if backend.platform != "cuda":
+        pytest.skip("needs vLLM on CUDA")
+    state = engine._run(backend._rpc("rlinfer_fast_load_state"))
+    if fast_load.ENV in str(state["reason"]):
+        pytest.skip(f"{fast_load.ENV}=0")
+    assert state["active"] and state["reason"] is None and len(state["mapped"]) == state["total"]
+    weights = {n: t.to("cuda") for n, t in state_dict(other).items()}
+    k_name = next(n for n in weights if n.endswith("k_proj.weight"))
+    partial = {k_name: torch.randn_like(weights[k_name])}
+    for update, served in ((weights, weights), (partial, weights | partial)):
+        with caplog.at_level(logging.DEBUG, logger="rlinfer_vllm.backend"):
+            engine.update_weights(NamedTensors.of(update))
+        assert worker_timings(caplog)["fast_load"] == 1.0
+        assert engine.verify_weights(served).ok
+    host = state_dict(base)
+    with caplog.at_level(logging.DEBUG, logger="rlinfer_vllm.backend"):
+        engine.update_weights(NamedTensors.of(host))
+    assert worker_timings(caplog)["fast_load"] == 0.0
+    assert engine.verify_weights(host).ok
