@@ -368,10 +368,11 @@ def engine_and_models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tupl
     from vllm_test_helpers import ENGINE_FIELDS
 
     from rlinfer_core.engine import open_engine
-    from rlinfer_core.tiny_model import make_tiny_model
+    from rlinfer_core.tiny_model import TinyModelSpec, make_tiny_model
 
     root = tmp_path_factory.mktemp("vllm-fast-load")
-    models = make_tiny_model(root / "seed0", seed=0), make_tiny_model(root / "seed1", seed=1)  # llama, untied
+    spec = TinyModelSpec(architecture="qwen2")  # q/k/v biases, head tied to the embedding
+    models = make_tiny_model(root / "seed0", seed=0, spec=spec), make_tiny_model(root / "seed1", seed=1, spec=spec)
     eng = open_engine("vllm", model=str(models[0]), load_entry_point_plugins=False, **ENGINE_FIELDS)
     try:
         yield eng, *models
@@ -415,14 +416,16 @@ def test_cpu_engine_falls_back_and_keeps_parity(
     assert engine.verify_weights(weights).ok
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     out = engine.generate([GenerateRequest(prompt_token_ids=p, sampling=params) for p in PROMPTS])
-    assert [list(c.token_ids) for c in out] == hf_greedy(other, weights, PROMPTS, 6)
+    untied = weights | {"lm_head.weight": weights["model.embed_tokens.weight"]}  # HF's tie, spelled out
+    assert [list(c.token_ids) for c in out] == hf_greedy(other, untied, PROMPTS, 6)
     engine.update_weights(NamedTensors.of(state_dict(base)))
     assert engine.verify_weights(state_dict(base)).ok
 
 
 def test_cuda_engine_loads_fast(engine_and_models: tuple[Any, Path, Path], caplog: pytest.LogCaptureFixture) -> None:
     """On a GPU (vLLM CUDA build): CUDA tensors load by the batched copy, full or partial, and the
-    served weights are then bit-equal to them; host tensors take load_weights."""
+    served weights, the tied head included, are then bit-equal to them; host tensors take
+    load_weights."""
     from vllm_test_helpers import state_dict
 
     from rlinfer_core.weights import NamedTensors
@@ -436,13 +439,16 @@ def test_cuda_engine_loads_fast(engine_and_models: tuple[Any, Path, Path], caplo
         pytest.skip(f"{fast_load.ENV}=0")
     assert state["active"] and state["reason"] is None and len(state["mapped"]) == state["total"]
     weights = {n: t.to("cuda") for n, t in state_dict(other).items()}
-    k_name = next(n for n in weights if n.endswith("k_proj.weight"))
-    partial = {k_name: torch.randn_like(weights[k_name])}
+    k_name = next(n for n in weights if n.endswith("k_proj.bias"))
+    embed = "model.embed_tokens.weight"
+    partial = {k_name: torch.randn_like(weights[k_name]), embed: torch.randn_like(weights[embed])}
     for update, served in ((weights, weights), (partial, weights | partial)):
         with caplog.at_level(logging.DEBUG, logger="rlinfer_vllm.backend"):
             engine.update_weights(NamedTensors.of(update))
         assert worker_timings(caplog)["fast_load"] == 1.0
         assert engine.verify_weights(served).ok
+        # the tied head serves the new embedding (checked through the engine's checksums)
+        assert engine.verify_weights({"lm_head.weight": served[embed]}).ok
     host = state_dict(base)
     with caplog.at_level(logging.DEBUG, logger="rlinfer_vllm.backend"):
         engine.update_weights(NamedTensors.of(host))
