@@ -59,13 +59,31 @@ def features(app: Any) -> dict[str, Any]:
     }
 
 
+#: counted samples kept before the ones of other routes' requests are dropped
+PRUNE_AT = 4096
+
+
 def token_versions(app: Any) -> Any:
     """The app's :class:`~rlinfer_vllm.versions.TokenVersions` (installed on first use)."""
     versions = getattr(app.state, "rlinfer_versions", None)
     if versions is None:
         from rlinfer_vllm.versions import TokenVersions
 
-        versions = TokenVersions(app.state.engine_client)
+        class Watched(TokenVersions):  # type: ignore[misc,unused-ignore]
+            """Token versions that forget the samples of requests this route did not start (the
+            token endpoint's streams, /v1/completions), which nobody takes."""
+
+            def __init__(self, llm: Any) -> None:
+                super().__init__(llm)
+                self.watched: set[str] = set()
+
+            def prune(self) -> None:
+                if len(self._runs) > PRUNE_AT:
+                    for key in [k for k in self._runs if k[0] not in self.watched]:
+                        self._runs.pop(key, None)
+                        self._taken.pop(key, None)
+
+        versions = Watched(app.state.engine_client)
         app.state.rlinfer_versions = versions
     return versions
 
@@ -161,12 +179,15 @@ async def generate(app: Any, request: Any) -> dict[str, Any]:
     params.output_kind = RequestOutputKind.FINAL_ONLY
     engine_id = f"{ID_PREFIX}{request.request_id}"
     final = None
+    versions.watched.add(engine_id)
     try:
         async for out in engine.generate(tokens_input(list(request.token_ids)), params, engine_id):
             final = out
         return answer(request.request_id, engine_id, final, versions)
     finally:
+        versions.watched.discard(engine_id)
         versions.forget(engine_id, max(int(params.n), 1))
+        versions.prune()
 
 
 __all__ = [

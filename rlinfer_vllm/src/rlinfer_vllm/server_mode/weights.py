@@ -84,9 +84,12 @@ class ServerWeightHooks:
 
     async def _label_version(self, http: ServerClient, version: int) -> None:
         """Label the tokens of every later step with ``version``: vLLM's ``/update_weight_version``
-        (0.32), or rlinfer's route where the batch endpoint counts tokens itself (vLLM 0.26)."""
-        path = VERSION_PATH if self._features.get("batch_via_engine") else "/update_weight_version"
-        await http.post(path, {"new_version": str(version)})
+        where vLLM reports version spans (0.32), and rlinfer's route where the batch endpoint
+        counts tokens itself (vLLM 0.26)."""
+        if self._features.get("batch_via_engine"):
+            await http.post(VERSION_PATH, {"new_version": str(version)})
+        if self._features.get("token_version_spans", True):  # streams read vLLM's own spans
+            await http.post("/update_weight_version", {"new_version": str(version)})
 
     @hookimpl
     def rlinfer_weight_specs(self) -> Mapping[str, TensorSpec]:
