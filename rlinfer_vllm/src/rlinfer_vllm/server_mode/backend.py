@@ -3,7 +3,10 @@
 ``EngineConfig(mode="server")`` launches the server (:mod:`rlinfer_vllm.server_mode.launch`);
 ``EngineConfig(server_url=...)`` attaches to a running one, started with
 ``VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --enable-scale-out --logprobs-mode processed_logprobs
---max-logprobs 21 --worker-extension-cls rlinfer_vllm.worker.RLInferWorkerExtension``.
+--max-logprobs 21 --worker-extension-cls rlinfer_vllm.worker.RLInferWorkerExtension`` (vLLM 0.26:
+without ``--enable-scale-out``, which it lacks, and with ``--middleware
+rlinfer_vllm.server_mode.batch_route.BatchRoute``, which answers in place of 0.32's token endpoint
+features; see :mod:`rlinfer_vllm.server_mode.engine_route`).
 Everything then goes over HTTP with the engine's own endpoints (see the README's "Server mode").
 """
 
@@ -115,8 +118,9 @@ class VllmServerBackend(ServerWeightHooks, ServerMemoryHooks):
             await self.rlinfer_shutdown()
             raise BackendLoadError(
                 f"the vLLM server at {url} does not serve rlinfer's control endpoints ({exc}); start it with "
-                "VLLM_SERVER_DEV_MODE=1, --enable-scale-out and "
-                "--worker-extension-cls rlinfer_vllm.worker.RLInferWorkerExtension"
+                "VLLM_SERVER_DEV_MODE=1, --enable-scale-out (vLLM 0.32) and "
+                "--worker-extension-cls rlinfer_vllm.worker.RLInferWorkerExtension; on vLLM 0.26 also with "
+                "--middleware rlinfer_vllm.server_mode.batch_route.BatchRoute"
             ) from exc
         self._specs = {name: TensorSpec(name, dtype, tuple(shape)) for name, dtype, shape in specs}
         tied = {}
