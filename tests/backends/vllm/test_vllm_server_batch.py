@@ -116,3 +116,54 @@ def test_logprobs_and_versions_come_back_in_one_shape(engine: Any) -> None:
     assert done.prompt_logprobs is not None and done.prompt_logprobs[0] is None
     assert len(done.prompt_logprobs) == len(PROMPTS[0])
     assert done.token_versions == (0,) * MAX_TOKENS
+
+
+def test_engine_client_answers_read_back_exactly() -> None:
+    """The engine-client path's answer (vLLM's own output types in, 0.32's JSON shape out) reads
+    back through the client's converter: ranked top logprobs, -inf prompt logprobs, stop reasons,
+    per-token versions from the spans."""
+    import json
+
+    from vllm.logprobs import Logprob
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    from rlinfer_core.types import FinishReason
+    from rlinfer_vllm.server_mode import convert, engine_route
+
+    def lp(value: float, rank: int) -> Logprob:
+        return Logprob(logprob=value, rank=rank)
+
+    rows = [
+        {7: lp(-0.1, 1), 9: lp(-2.0, 2), 3: lp(-3.0, 3)},  # sampled token ranked first
+        {8: lp(-5.0, 4), 1: lp(-0.5, 1), 2: lp(-1.0, 2), 4: lp(-1.5, 3)},  # sampled outside the top 2
+    ]
+    out = CompletionOutput(
+        index=0, text="", token_ids=[7, 8], cumulative_logprob=None, logprobs=rows, finish_reason="stop", stop_reason=8
+    )
+    final = RequestOutput(
+        request_id="generate-tokens-r",
+        prompt=None,
+        prompt_token_ids=[1, 2, 3],
+        prompt_logprobs=[None, {2: lp(-1.0, 5)}, {3: lp(float("-inf"), 9)}],
+        outputs=[out],
+        finished=True,
+    )
+
+    class Versions:  # the engine's counts: the last token after a switch to version 1
+        def take(self, request_id: str, index: int, count: int) -> tuple[int, ...]:
+            assert (request_id, index) == ("generate-tokens-r", 0)
+            return (0,) * (count - 1) + (1,)
+
+    request = GenerateRequest(
+        prompt_token_ids=[1, 2, 3],
+        sampling=SamplingParams(max_tokens=2, logprobs=2, prompt_logprobs=True, stop_token_ids=(8,)),
+        request_id="r",
+    )
+    answer = json.loads(json.dumps(engine_route.answer("r", "generate-tokens-r", final, Versions())))
+    (done,) = convert.completions(request, [1, 2, 3], answer, 0.1, live_version=1)
+    assert done.token_ids == (7, 8) and done.logprobs == (-0.1, -5.0)
+    assert done.top_logprobs == ({7: -0.1, 9: -2.0}, {1: -0.5, 2: -1.0})
+    assert done.prompt_logprobs == (None, -1.0, float("-inf"))
+    assert done.finish_reason is FinishReason.STOP and done.stop_reason == 8
+    assert done.token_versions == (0, 1)
+    assert engine_route.answer("r", "generate-tokens-r", None, Versions()) == {"request_id": "r", "choices": []}
