@@ -136,9 +136,9 @@ DETERMINISTIC_CPU_NOTE = (
     "flashinfer, triton, ...); its CPU backends (torch_native, intel_amx) are not among them"
 )
 DETERMINISTIC_CUDA_NOTE = (
-    "EngineConfig(deterministic=True) starts SGLang with --enable-deterministic-inference (batch-invariant "
-    "kernels; attention_backend triton, flashinfer or fa3): bitwise-identical tokens and logprobs run to run "
-    "and across batch compositions (the kit's check, on an H100)"
+    "not claimed: EngineConfig.deterministic starts SGLang with --enable-deterministic-inference, but the "
+    "kit's bitwise check failed on an H100 (SGLang 0.5.16, attention_backend triton, eager): a request gave "
+    "the same tokens and logprobs run to run, but other logprobs when more requests shared its batch"
 )
 
 CPU_NOTES = {
@@ -218,7 +218,7 @@ def capabilities(
     notes = {**CUDA_NOTES, **SAMPLING_NOTES, **AGENT_NOTES, Capability.LORA.value: LORA_CUDA_NOTE}
     for capability in (*SAMPLING, *AGENT_CPU, Capability.WEIGHTS_CHECKSUM):
         notes[capability.value] = f"{CUDA_UNVERIFIED}; on CPU: {notes[capability.value]}"
-    supported = set(COMMON) | {Capability.DETERMINISTIC}
+    supported = set(COMMON)
     if memory_release is False:
         notes[Capability.MEMORY_RELEASE.value] = MEMORY_RELEASE_OFF_NOTE
     else:
