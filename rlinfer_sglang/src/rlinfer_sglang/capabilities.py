@@ -138,7 +138,10 @@ DETERMINISTIC_CPU_NOTE = (
 DETERMINISTIC_CUDA_NOTE = (
     "not claimed: EngineConfig.deterministic starts SGLang with --enable-deterministic-inference, but the "
     "kit's bitwise check failed on an H100 (SGLang 0.5.16, attention_backend triton, eager): a request gave "
-    "the same tokens and logprobs run to run, but other logprobs when more requests shared its batch"
+    "the same tokens and logprobs run to run, but other logprobs when more requests shared its batch. "
+    "SGLang's sampler picks the logprob formula by batch: log_softmax(logits) when every request in the "
+    "batch is greedy, log(softmax(logits / T)) when any samples (sglang/srt/layers/sampler.py, "
+    "Sampler.forward), so a greedy request's logprobs depend on its neighbours"
 )
 
 CPU_NOTES = {
