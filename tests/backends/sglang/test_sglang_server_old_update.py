@@ -7,7 +7,7 @@ from the detection on 0.5.16) against a real 0.5.23 server, begin/end still sent
 requests running waits for them (every token keeps the old version, nothing is retracted), the
 cache is flushed through /flush_cache before new requests start, a rejected update leaves the old
 weights serving, and a reset while requests run waits for them. Skipping begin/end itself is
-exercised on the GPU (SGLang 0.5.16: dev/gpu/run_suite.sh bench-server).
+to be exercised on the GPU (SGLang 0.5.16: dev/gpu/run_suite.sh bench-server; not run yet).
 
 Runs only with ``RLINFER_SGLANG_SERVER_TESTS=1`` (``make test-sglang-server``): an SGLang server
 start takes about a minute on 2 cores.
