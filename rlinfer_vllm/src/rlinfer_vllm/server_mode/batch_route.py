@@ -110,6 +110,18 @@ async def _body(receive: Receive) -> tuple[bytes, bool]:
             return b"".join(chunks), False
 
 
+async def _post_body(scope: Scope, receive: Receive, send: Send, path: str) -> bytes | None:
+    """The body of an authorized POST to ``path``; None once a 405/401 was sent or the client left."""
+    if scope.get("method") != "POST":
+        await _json_response(send, 405, _error(f"{path} takes POST", 405))
+        return None
+    if not _authorized(scope["app"], scope):
+        await _json_response(send, 401, {"error": "Unauthorized"})
+        return None
+    raw, gone = await _body(receive)
+    return None if gone else raw
+
+
 async def _one(app: Any, scope: Scope, item: Any) -> tuple[int, Any]:
     """(status, body) of one item, exactly as ``/inference/v1/generate`` answers it (on an older
     vLLM: as 0.32's answers it, through :mod:`rlinfer_vllm.server_mode.engine_route`)."""
@@ -180,14 +192,8 @@ class BatchRoute:
             await self.app(scope, receive, send)
             return
         app = scope["app"]
-        if scope.get("method") != "POST":
-            await _json_response(send, 405, _error(f"{PATH} takes POST", 405))
-            return
-        if not _authorized(app, scope):
-            await _json_response(send, 401, {"error": "Unauthorized"})
-            return
-        raw, gone = await _body(receive)
-        if gone:
+        raw = await _post_body(scope, receive, send, PATH)
+        if raw is None:
             return
         try:
             items = json.loads(raw)["requests"]
@@ -201,14 +207,8 @@ class BatchRoute:
     async def _version(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``POST /rlinfer/v1/weight_version`` ``{"new_version": N}``: the label of later tokens."""
         app = scope["app"]
-        if scope.get("method") != "POST":
-            await _json_response(send, 405, _error(f"{engine_route.VERSION_PATH} takes POST", 405))
-            return
-        if not _authorized(app, scope):
-            await _json_response(send, 401, {"error": "Unauthorized"})
-            return
-        raw, gone = await _body(receive)
-        if gone:
+        raw = await _post_body(scope, receive, send, engine_route.VERSION_PATH)
+        if raw is None:
             return
         try:
             answer = engine_route.set_version(app, json.loads(raw))

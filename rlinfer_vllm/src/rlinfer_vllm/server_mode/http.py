@@ -96,26 +96,20 @@ class ServerClient(server_http.ServerClient):
 
     async def get(self, path: str, timeout_s: float | None = None) -> Any:
         """GET ``path``; the answer's JSON (resent once over a connection the server closed)."""
-        self.check_processes()
-        timeout = timeout_s if timeout_s is not None else self.timeout_s
-        try:
-            response = await self._send("GET", path, True, timeout=timeout)
-        except Exception as exc:
-            raise await self.translate(path, exc) from exc
-        result = await self.check(path, response)
-        if isinstance(result, InvalidRequest):
-            raise result
-        return result
+        return await self._get(path, timeout_s, optional=False)
 
     async def get_optional(self, path: str, timeout_s: float | None = None) -> Any:
         """GET ``path``; :class:`RouteMissing` if the server has no such route (404)."""
+        return await self._get(path, timeout_s, optional=True)
+
+    async def _get(self, path: str, timeout_s: float | None, optional: bool) -> Any:
         self.check_processes()
         timeout = timeout_s if timeout_s is not None else self.timeout_s
         try:
             response = await self._send("GET", path, True, timeout=timeout)
         except Exception as exc:
             raise await self.translate(path, exc) from exc
-        if response.status_code == 404:
+        if optional and response.status_code == 404:
             raise RouteMissing(path)
         result = await self.check(path, response)
         if isinstance(result, InvalidRequest):
