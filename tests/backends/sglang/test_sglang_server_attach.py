@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sglang_server_helpers import FIELDS as BASE_FIELDS
+from sglang_server_helpers import PROMPTS, SERVER_TESTS
 
 from rlinfer_core.engine import open_engine
 from rlinfer_core.errors import BackendLoadError, EngineDead, InvalidRequest
@@ -30,19 +32,9 @@ from rlinfer_core.types import EngineConfig, GenerateRequest, SamplingParams
 from rlinfer_core.weights import CheckpointDir
 
 pytest.importorskip("sglang")
-pytestmark = pytest.mark.skipif(
-    os.environ.get("RLINFER_SGLANG_SERVER_TESTS") != "1",
-    reason="SGLang server-mode tests run in `make test-sglang-server` (RLINFER_SGLANG_SERVER_TESTS=1)",
-)
+pytestmark = SERVER_TESTS
 
-FIELDS: dict[str, Any] = {
-    "dtype": "float32",
-    "max_model_len": 512,
-    "kv_cache_memory_bytes": 64 << 20,
-    "max_num_seqs": 16,
-    "request_timeout_s": 120.0,
-}
-PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]]
+FIELDS: dict[str, Any] = BASE_FIELDS
 MAX_TOKENS = 6
 
 
