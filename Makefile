@@ -8,7 +8,7 @@ VENVS := .venvs
 DEMO_BACKEND ?= vllm
 DEMO_OUT ?= out/demo
 
-.PHONY: env-core env-vllm env-sglang envs demo test lint typecheck test-core test-vllm test-sglang test-ray test-ray-sglang test-server test-wheels test-vllm-server test-vllm-server-ci test-sglang-server test-sglang-server-ci thorough clean-envs
+.PHONY: env-core env-vllm env-sglang envs demo test lint typecheck test-core test-vllm test-sglang test-ray test-ray-sglang test-server test-wheels test-vllm-server test-vllm-server-ci test-sglang-server test-sglang-server-ci test-sglang-tp2 thorough clean-envs
 
 env-core: $(VENVS)/core/.built
 env-vllm: $(VENVS)/vllm/.built
@@ -68,6 +68,11 @@ test-sglang-server: env-sglang
 test-sglang-server-ci: env-sglang
 	timeout 900 $(VENVS)/sglang/bin/python -m pytest tests/backends/test_sglang_conformance.py -q -p no:cacheprovider --rlinfer-backend sglang --rlinfer-config mode=server -k "not killed_in_turn and not architecture" --rlinfer-report out/conformance-sglang-server-ci.json
 
+# SGLang at tensor_parallel_size=2 on CPU (two TP ranks, one core each, gloo): CPU-tensor and
+# bucket updates reach both ranks, in process and in server mode (~1.5 min; issue 12)
+test-sglang-tp2: env-sglang
+	RLINFER_SGLANG_TP2_TESTS=1 timeout 600 $(VENVS)/sglang/bin/python -m pytest tests/backends/sglang/test_sglang_tp2_cpu.py -q -p no:cacheprovider
+
 # rlinfer-ray: pool tests (two vLLM replicas on a local Ray cluster), then the kit against a pool
 # of two replicas for each backend (rlinfer conformance --backend X --replicas 2). The kit's
 # extra-architecture tests open single engines of their own (not the pool) and ran in
@@ -94,7 +99,7 @@ test-wheels:
 test: lint typecheck test-core test-wheels test-vllm test-vllm-server-ci test-sglang test-sglang-server-ci test-ray test-server
 
 # slower checks, not in `make test`: the kit in vLLM server mode alone takes ~15-25 min on 2 shared cores
-thorough: test test-vllm-server test-sglang-server test-ray-sglang
+thorough: test test-vllm-server test-sglang-server test-ray-sglang test-sglang-tp2
 
 clean-envs:
 	rm -rf $(VENVS)
