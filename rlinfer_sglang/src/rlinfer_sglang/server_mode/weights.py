@@ -111,6 +111,8 @@ class ServerWeights(InFlight):
             # request is pending): flush through /flush_cache after the load instead
             flush = False
         body = {
+            # one payload serves every TP rank: shared-memory names open any number of times,
+            # unlike file descriptors (tests/backends/sglang/test_sglang_tp2_cpu.py, TP=2)
             "serialized_named_tensors": [encoded] * self._tp_size,
             "load_format": WEIGHT_LOADER,
             "flush_cache": flush,
