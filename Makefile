@@ -96,10 +96,10 @@ test-server: env-vllm
 test-wheels:
 	PYTHON=$(PYTHON) bash dev/envs/test_wheels.sh
 
-test: lint typecheck test-core test-wheels test-vllm test-vllm-server-ci test-sglang test-sglang-server-ci test-ray test-server
+test: lint typecheck test-core test-wheels test-vllm test-vllm-server-ci test-sglang test-sglang-server-ci test-sglang-tp2 test-ray test-server
 
 # slower checks, not in `make test`: the kit in vLLM server mode alone takes ~15-25 min on 2 shared cores
-thorough: test test-vllm-server test-sglang-server test-ray-sglang test-sglang-tp2
+thorough: test test-vllm-server test-sglang-server test-ray-sglang
 
 clean-envs:
 	rm -rf $(VENVS)

@@ -57,10 +57,12 @@ def _decode_control(tensor: torch.Tensor) -> dict[str, Any]:
 
 
 def _tp_rank() -> int:
-    try:
-        from sglang.srt.distributed import get_tensor_model_parallel_rank
+    # parallel_state has it in every SGLang; 0.5.2x no longer re-exports it (deprecated) from
+    # sglang.srt.distributed, where an ImportError made every rank report as rank 0
+    from sglang.srt.distributed import parallel_state
 
-        return int(get_tensor_model_parallel_rank())
+    try:
+        return int(parallel_state.get_tensor_model_parallel_rank())
     except Exception:  # not initialised (single rank)
         return 0
 
