@@ -28,7 +28,8 @@ from rlinfer_core.types import (
     EngineConfig,
 )
 from rlinfer_sglang.base import BackendBase
-from rlinfer_sglang.config import needs_context_override, server_args
+from rlinfer_sglang.config import server_args
+from rlinfer_sglang.engine_env import engine_environment
 
 if TYPE_CHECKING:
     from sglang.srt.entrypoints.engine import Engine
@@ -119,14 +120,8 @@ class Supervision(BackendBase):
         # SGLang installs no handler, so rlinfer takes SIGQUIT over first.
         self._quit_guard = _guard_sigquit(main_thread)
         before = processes.snapshot()
-        env_omp = os.environ.get("OMP_NUM_THREADS")
-        if self.platform == "cpu" and env_omp is None:
-            # the scheduler inherits this; without it torch uses every core and, with the
-            # caller's own threads, CPU decoding jitters by an order of magnitude
-            os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // 2))
-        override = needs_context_override(config) and "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN" not in os.environ
-        if override:
-            os.environ["SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"] = "1"
+        added = engine_environment(config, self.platform)  # the scheduler inherits these
+        os.environ.update(added)
         try:
             engine = await processes.start_in_thread(lambda: Engine(**kwargs), lambda f: self._kill_late(f, before))
         except Exception as exc:
@@ -134,10 +129,8 @@ class Supervision(BackendBase):
             self._restore_signals()
             raise BackendLoadError(f"SGLang failed to start for model {config.model!r}: {exc}") from exc
         finally:
-            if self.platform == "cpu" and env_omp is None:
-                os.environ.pop("OMP_NUM_THREADS", None)
-            if override:
-                os.environ.pop("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", None)
+            for name in added:
+                os.environ.pop(name, None)
         self._engine = engine
         self._tm = engine.tokenizer_manager
         self._procs = processes.started_since(before)

@@ -8,11 +8,12 @@ file_system handles (shared-memory names), which any number of ranks can open.
 
 SGLang runs two TP ranks on one NUMA node only with ``SGLANG_CPU_OMP_THREADS_BIND`` (one core
 list per rank, ``|``-separated): without it ``numa_utils.init_threads_binding`` asserts
-``world_size <= n_numa_node``. The ranks all-reduce over gloo (the shared-memory all-reduce
-needs sgl-kernel's CPU ops, which the CPU env lacks). The tiny model's logits then differ from
-HF's by float32 summation order only.
+``world_size <= n_numa_node``. The backend sets it when the host has fewer NUMA nodes than ranks
+(``rlinfer_sglang.engine_env``); this test leaves it to the backend. The ranks all-reduce over
+gloo (the shared-memory all-reduce needs sgl-kernel's CPU ops, which the CPU env lacks). The tiny
+model's logits then differ from HF's by float32 summation order only.
 
-Runs with ``RLINFER_SGLANG_TP2_TESTS=1`` (``make test-sglang-tp2``, in ``make thorough``): in
+Runs with ``RLINFER_SGLANG_TP2_TESTS=1`` (``make test-sglang-tp2``, in ``make test``): in
 process ~35 s, the server-mode case ~60 s on 2 cores. It fails unless each TP rank gets its own
 payload (in process) and each rank's scheduler knows its TP rank (``scheduler_side._tp_rank``,
 whose outcome files are per rank).
@@ -42,14 +43,6 @@ pytestmark = pytest.mark.skipif(
     os.environ.get("RLINFER_SGLANG_TP2_TESTS") != "1",
     reason="SGLang TP=2 on CPU runs in `make test-sglang-tp2` (RLINFER_SGLANG_TP2_TESTS=1)",
 )
-
-
-def _bind() -> str:
-    """One core per TP rank, in SGLANG_CPU_OMP_THREADS_BIND's syntax."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        pytest.skip("two TP ranks need two cores")
-    return f"{cpus[0]}|{cpus[1]}"
 
 
 def _tensors(path: Path) -> list[tuple[str, torch.Tensor]]:
@@ -107,18 +100,18 @@ def engine(request: pytest.FixtureRequest, models: dict[str, Any]) -> Iterator[E
     tmp.set_sharing_strategy("file_descriptor")  # type: ignore[no-untyped-call]
     extra: dict[str, Any] = {"mode": "server", "request_timeout_s": 120.0} if request.param == "server" else {}
     try:
-        with pytest.MonkeyPatch.context() as env:
-            env.setenv("SGLANG_CPU_OMP_THREADS_BIND", os.environ.get("SGLANG_CPU_OMP_THREADS_BIND") or _bind())
-            engine = Engine.open(
-                "sglang",
-                model=str(models["paths"]["a"]),
-                dtype="float32",
-                seed=0,
-                max_model_len=256,
-                device="cpu",
-                tensor_parallel_size=2,
-                **extra,
-            )
+        if len(os.sched_getaffinity(0)) < 2:
+            pytest.skip("two TP ranks need two cores")
+        engine = Engine.open(
+            "sglang",
+            model=str(models["paths"]["a"]),
+            dtype="float32",
+            seed=0,
+            max_model_len=256,
+            device="cpu",
+            tensor_parallel_size=2,
+            **extra,
+        )
         try:
             yield engine
         finally:

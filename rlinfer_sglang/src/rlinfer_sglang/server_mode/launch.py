@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -23,7 +22,7 @@ from rlinfer_core.errors import BackendLoadError
 from rlinfer_core.server_child import ChildServer
 from rlinfer_core.types import EngineConfig
 from rlinfer_sglang.capabilities import Platform
-from rlinfer_sglang.config import needs_context_override
+from rlinfer_sglang.engine_env import engine_environment
 
 #: SGLang's server entry point (what ``sglang serve`` runs)
 SERVER_MODULE = "sglang.launch_server"
@@ -73,14 +72,9 @@ def server_argv(kwargs: Mapping[str, Any], host: str, port: int) -> list[str]:
 
 def server_env(config: EngineConfig, platform: Platform) -> dict[str, str]:
     """Environment variables the server needs (set in its environment only)."""
-    env: dict[str, str] = {}
+    env = engine_environment(config, platform)
     if platform == "cpu":
         env["SGLANG_USE_CPU_ENGINE"] = "1"
-        if "OMP_NUM_THREADS" not in os.environ:
-            # without it torch uses every core and CPU decoding jitters by an order of magnitude
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 2) // 2))
-    if needs_context_override(config) and "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN" not in os.environ:
-        env["SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"] = "1"
     return env
 
 
