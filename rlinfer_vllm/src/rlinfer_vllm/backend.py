@@ -127,7 +127,7 @@ class VllmBackend(WeightHooks, MemoryHooks, BenchHooks, LoraHooks, Generation):
         except Exception as exc:
             raise BackendLoadError(f"vLLM rejected the engine configuration: {exc}") from exc
         try:  # from_engine_args blocks until the engine is up
-            with engine_environment(config):
+            with engine_environment(config, self.platform):
                 llm = await processes.start_in_thread(
                     lambda: AsyncLLM.from_engine_args(args), lambda f: _shutdown_late(f, before)
                 )

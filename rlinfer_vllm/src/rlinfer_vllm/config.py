@@ -87,20 +87,39 @@ def engine_args(config: EngineConfig, platform: Platform) -> dict[str, Any]:
     return kwargs
 
 
+#: vLLM's per-rank CPU core binding ("0-3|4-7": cores of rank 0 | rank 1)
+THREADS_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def engine_variables(config: EngineConfig, platform: Platform) -> dict[str, str]:
+    """Environment variables vLLM's processes must start with (those the caller has not set):
+    ``VLLM_BATCH_INVARIANT=1`` for ``config.deterministic``; on a CPU host with fewer NUMA nodes
+    than ranks, each rank's own share of the cores (vLLM binds one node per rank by default and
+    refuses more ranks than nodes)."""
+    from rlinfer_core.cpu_binding import binding_for
+
+    env: dict[str, str] = {}
+    if config.deterministic:
+        env["VLLM_BATCH_INVARIANT"] = "1"
+    if platform == "cpu" and THREADS_BIND not in os.environ:
+        binding = binding_for(config.tensor_parallel_size * config.data_parallel_size)
+        if binding is not None:
+            env[THREADS_BIND] = binding
+    return env
+
+
 @contextlib.contextmanager
-def engine_environment(config: EngineConfig) -> Iterator[None]:
-    """The environment vLLM's processes must start with: ``VLLM_BATCH_INVARIANT=1`` for
-    ``config.deterministic`` (vLLM reads it in every process it starts, which inherit it); the
-    caller's environment is restored once the engine is up."""
-    if not config.deterministic:
-        yield
-        return
-    before = os.environ.get("VLLM_BATCH_INVARIANT")
-    os.environ["VLLM_BATCH_INVARIANT"] = "1"
+def engine_environment(config: EngineConfig, platform: Platform) -> Iterator[None]:
+    """:func:`engine_variables` set in this process while the engine starts (its processes
+    inherit them); the caller's environment is restored once the engine is up."""
+    added = engine_variables(config, platform)
+    before = {name: os.environ.get(name) for name in added}
+    os.environ.update(added)
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop("VLLM_BATCH_INVARIANT", None)
-        else:
-            os.environ["VLLM_BATCH_INVARIANT"] = before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

@@ -159,22 +159,15 @@ def test_float32_on_cuda_is_refused_up_front(tmp_path: Path) -> None:
 
 
 def test_cpu_ranks_get_their_own_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rlinfer_core import cpu_binding
     from rlinfer_sglang import engine_env
 
-    assert engine_env.cores_per_rank([0, 1], 2) == "0|1"
-    assert engine_env.cores_per_rank([0, 1, 2, 3, 6, 7, 9], 2) == "0-2|3,6-7"
-    with pytest.raises(InvalidRequest, match="tensor_parallel_size"):
-        engine_env.cores_per_rank([0], 2)
-
     monkeypatch.delenv(engine_env.THREADS_BIND, raising=False)
-    monkeypatch.setattr(engine_env, "_numa_nodes", lambda: 1)
-    monkeypatch.setattr(engine_env.os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3})
+    monkeypatch.setattr(cpu_binding, "numa_nodes", lambda: 1)
+    monkeypatch.setattr(cpu_binding.os, "sched_getaffinity", lambda _pid: {0, 1, 2, 3})
     two = EngineConfig(model="m", device="cpu", tensor_parallel_size=2)
     assert engine_env.engine_environment(two, "cpu")[engine_env.THREADS_BIND] == "0-1|2-3"
     assert engine_env.THREADS_BIND not in engine_env.engine_environment(EngineConfig(model="m", device="cpu"), "cpu")
     assert engine_env.THREADS_BIND not in engine_env.engine_environment(two, "cuda")
-    monkeypatch.setattr(engine_env, "_numa_nodes", lambda: 2)  # SGLang's own one-node-per-rank default
-    assert engine_env.THREADS_BIND not in engine_env.engine_environment(two, "cpu")
-    monkeypatch.setattr(engine_env, "_numa_nodes", lambda: 1)
     monkeypatch.setenv(engine_env.THREADS_BIND, "5|6")  # the caller's choice wins
     assert engine_env.THREADS_BIND not in engine_env.engine_environment(two, "cpu")

@@ -122,3 +122,24 @@ def test_device_must_match_the_installed_build() -> None:
         resolve_platform(EngineConfig(model="/m", device="cuda"), "cpu")
     with pytest.raises(BackendLoadError, match=r"rlinfer-vllm\[cpu\]"):
         resolve_platform(EngineConfig(model="/m", device="cpu"), "cuda")
+
+
+def test_engine_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from rlinfer_core import cpu_binding
+    from rlinfer_vllm.config import THREADS_BIND, engine_environment, engine_variables
+
+    monkeypatch.delenv(THREADS_BIND, raising=False)
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    monkeypatch.setattr(cpu_binding, "numa_nodes", lambda: 1)
+    monkeypatch.setattr(cpu_binding.os, "sched_getaffinity", lambda _pid: {0, 1})
+    two = EngineConfig(model="m", tensor_parallel_size=2)
+    assert engine_variables(two, "cpu") == {THREADS_BIND: "0|1"}
+    assert engine_variables(two, "cuda") == {}
+    assert engine_variables(EngineConfig(model="m", deterministic=True), "cuda") == {"VLLM_BATCH_INVARIANT": "1"}
+    with engine_environment(two, "cpu"):
+        assert os.environ[THREADS_BIND] == "0|1"
+    assert THREADS_BIND not in os.environ  # restored once the engine is up
+    monkeypatch.setenv(THREADS_BIND, "nobind")  # the caller's choice wins
+    assert engine_variables(two, "cpu") == {}

@@ -37,7 +37,7 @@ from rlinfer_core.weights import TensorSpec
 from rlinfer_vllm import convert as inproc_convert
 from rlinfer_vllm.batch import complete_all
 from rlinfer_vllm.capabilities import capabilities, installed_engine, installed_platform
-from rlinfer_vllm.config import engine_args, resolve_platform
+from rlinfer_vllm.config import engine_args, engine_variables, resolve_platform
 from rlinfer_vllm.server_mode import convert
 from rlinfer_vllm.server_mode.batch_route import PATH as BATCH_PATH
 from rlinfer_vllm.server_mode.caps import server_capabilities
@@ -157,7 +157,7 @@ class VllmServerBackend(ServerWeightHooks, ServerMemoryHooks):
             for attempt in range(PORT_TRIES):
                 port = free_port()
                 argv = await loop.run_in_executor(None, server_argv, kwargs, "127.0.0.1", port)
-                server = ServerProcess(argv)
+                server = ServerProcess(argv, engine_variables(config, self.platform))
                 self._server = server
                 server.start(port)
                 try:

@@ -130,8 +130,9 @@ def server_argv(kwargs: Mapping[str, Any], host: str, port: int) -> list[str]:
 class ServerProcess:
     """One ``vllm serve`` child process and the engine processes it starts."""
 
-    def __init__(self, argv: list[str], log_dir: str | None = None) -> None:
+    def __init__(self, argv: list[str], env: Mapping[str, str] | None = None, log_dir: str | None = None) -> None:
         self.argv = argv
+        self.env = dict(env or {})
         self.url = ""
         self._log = Path(tempfile.mkdtemp(prefix="rlinfer-vllm-server-", dir=log_dir)) / "server.log"
         self._proc: subprocess.Popen[bytes] | None = None
@@ -140,7 +141,7 @@ class ServerProcess:
 
     def start(self, port: int) -> None:
         """Spawn the server (returns at once; see :meth:`wait_healthy`)."""
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+        env = {**os.environ, **self.env, "VLLM_SERVER_DEV_MODE": "1"}
         with open(self._log, "ab") as log:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", SERVER_MODULE, *self.argv],
