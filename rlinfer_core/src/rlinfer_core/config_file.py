@@ -18,14 +18,19 @@ Keys are :class:`~rlinfer_core.types.EngineConfig` field names plus the verl ali
 int, no ``"yes"`` for a bool); an unknown key or a bad value raises
 :class:`~rlinfer_core.errors.InvalidRequest` naming the key, the file and the allowed values.
 Command-line values override the file (:func:`engine_config`).
+
+A file may also hold a ``pool:`` section (rlinfer-ray's PoolConfig: ``replicas``, ``policy``, ...).
+The core only checks that it is a mapping and hands it on untouched (``RolloutSettings.pool``);
+``rlinfer_ray.config_file`` structures it with :func:`structure_attrs` under the same rules.
 """
 
 from __future__ import annotations
 
+import enum
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import cattrs
@@ -33,9 +38,13 @@ import cattrs
 from rlinfer_core.errors import InvalidRequest
 from rlinfer_core.types import EngineConfig
 
+_T = TypeVar("_T")
+
 SECTION = "rollout"
-#: the sections a config file may hold (the pool's settings will join once rlinfer-ray exists)
-SECTIONS = (SECTION,)
+#: the rlinfer-ray pool's settings; structured by rlinfer_ray, not here
+POOL_SECTION = "pool"
+#: the sections a config file may hold
+SECTIONS = (SECTION, POOL_SECTION)
 #: verl's rollout key -> EngineConfig field
 ALIASES: Mapping[str, str] = {
     "tensor_model_parallel_size": "tensor_parallel_size",
@@ -51,12 +60,14 @@ class RolloutSettings:
     """The ``rollout:`` section of a config file, keys checked and values validated.
 
     ``fields`` holds EngineConfig field names (aliases resolved) with the file's values;
-    ``backend`` is the section's ``name`` (None when absent).
+    ``backend`` is the section's ``name`` (None when absent); ``pool`` is the file's ``pool:``
+    section as written (None when absent), for rlinfer_ray to structure.
     """
 
     path: str
     backend: str | None
     fields: Mapping[str, Any]
+    pool: Mapping[str, Any] | None = None
 
 
 def _strict(kind: type, what: str) -> Any:
@@ -89,11 +100,13 @@ def allowed_keys() -> list[str]:
     return sorted([*_FIELDS, *ALIASES, BACKEND_KEY])
 
 
-def _allowed_values(field: str) -> str:
-    hints = typing.get_type_hints(EngineConfig)
+def _allowed_values(cls: type, field: str) -> str:
+    hints = typing.get_type_hints(cls)
     hint = hints.get(field)
     if typing.get_origin(hint) is typing.Literal:
         return f"; allowed values: {list(typing.get_args(hint))}"
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return f"; allowed values: {[m.value for m in hint]}"
     return ""
 
 
@@ -115,22 +128,31 @@ def _leaf_errors(exc: BaseException) -> list[BaseException]:
 
 def structure(fields: Mapping[str, Any], where: str) -> EngineConfig:
     """Build an EngineConfig from ``fields`` with cattrs; errors name the key (``where``: its origin)."""
-    unknown = sorted(set(fields) - set(_FIELDS))
+    return structure_attrs(EngineConfig, fields, where, allowed_keys())
+
+
+def structure_attrs(cls: type[_T], fields: Mapping[str, Any], where: str, allowed: Sequence[str]) -> _T:
+    """Build the attrs class ``cls`` from ``fields`` under the strict rules of this module.
+
+    An unknown key or a bad value raises InvalidRequest naming the key, ``where`` and the
+    ``allowed`` keys (or the allowed values of a Literal or enum field).
+    """
+    unknown = sorted(set(fields) - {f.name for f in attrs.fields(cls)})  # type: ignore[arg-type]
     if unknown:
-        raise InvalidRequest(unknown[0], f"unknown key in {where}; allowed keys: {allowed_keys()}")
+        raise InvalidRequest(unknown[0], f"unknown key in {where}; allowed keys: {list(allowed)}")
     try:
-        return _CONVERTER.structure(dict(fields), EngineConfig)
+        return _CONVERTER.structure(dict(fields), cls)
     except Exception as exc:
         leaves = _leaf_errors(exc)
         first = leaves[0]
         field = _field_of(first) or "config"
         if isinstance(first, InvalidRequest):
             message = str(first).removeprefix(f"invalid {first.field}: ")
-        elif "not in literal" in str(first):
+        elif "not in literal" in str(first) or (isinstance(first, ValueError) and "is not a valid" in str(first)):
             message = f"got {fields.get(field)!r}"
         else:
             message = str(first)
-        raise InvalidRequest(field, f"{message} (in {where}){_allowed_values(field)}") from exc
+        raise InvalidRequest(field, f"{message} (in {where}){_allowed_values(cls, field)}") from exc
 
 
 def _load(path: Path) -> Any:
@@ -193,7 +215,10 @@ def read_config_file(path: str | Path) -> RolloutSettings:
             value = _engine_kwargs(value, backend, where)
         fields[name] = value
     structure({"model": _PLACEHOLDER_MODEL, **fields}, where)  # validate now, with the file's name in errors
-    return RolloutSettings(path=str(file), backend=backend, fields=fields)
+    pool = data.get(POOL_SECTION)
+    if pool is not None and not isinstance(pool, Mapping):
+        raise InvalidRequest(POOL_SECTION, f"must be a mapping in {file}, got {pool!r}")
+    return RolloutSettings(path=str(file), backend=backend, fields=fields, pool=pool)
 
 
 def engine_config(

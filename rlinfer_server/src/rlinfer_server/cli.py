@@ -44,8 +44,40 @@ def register(subparsers: Any) -> None:
         metavar="KEY=VALUE",
         help="engine-specific argument passed through EngineConfig.engine_kwargs (repeatable)",
     )
+    p.add_argument(
+        "--replicas",
+        type=int,
+        help="serve an rlinfer-ray pool of N engine replicas (or pool.replicas in --config; needs rlinfer-ray)",
+    )
+    p.add_argument(
+        "--routing",
+        choices=["least_outstanding", "round_robin", "session"],
+        help="the pool's routing policy (or pool.policy in --config)",
+    )
     add_config_arguments(p)
     p.set_defaults(func=run)
+
+
+def pool_settings(args: argparse.Namespace, file_settings: Any) -> Any:
+    """The PoolConfig to serve, or None for one engine: ``--replicas``/``--routing`` over the
+    config file's ``pool:`` section; a pool only when ``--replicas`` or that section is given."""
+    from rlinfer_core.errors import InvalidRequest
+
+    replicas = getattr(args, "replicas", None)
+    routing = getattr(args, "routing", None)
+    has_section = file_settings is not None and file_settings.pool is not None
+    if replicas is None and not has_section:
+        if routing is not None:
+            raise InvalidRequest("routing", "only for a pool: give --replicas N (or a pool: section in --config)")
+        return None
+    try:
+        from rlinfer_ray.config_file import pool_config
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.split(".")[0] not in ("rlinfer_ray", "ray"):
+            raise
+        what = "--replicas" if replicas is not None else "the pool: section of --config"
+        raise InvalidRequest("replicas", f"{what} needs rlinfer-ray installed ({exc})") from None
+    return pool_config(file_settings, {"replicas": replicas, "routing": routing})
 
 
 def settings_from_args(args: argparse.Namespace, model: str) -> ServerSettings:
@@ -73,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
     file_settings, overrides = config_layers(args, flags)
     backend = backend_name(args, file_settings)
     config = engine_config(file_settings, overrides)
+    pool = pool_settings(args, file_settings)
     settings = settings_from_args(args, config.model)
     sock = settings.bind()  # before the engine starts: a taken port fails in a second, not minutes
     host, port = sock.getsockname()[:2]
@@ -86,10 +119,17 @@ def run(args: argparse.Namespace) -> int:
     get_backend(backend).engine_version()  # fail fast on a missing engine
 
     async def open_engine() -> ServedEngine:
+        if pool is not None:
+            from rlinfer_ray import EnginePool
+
+            served: ServedEngine = await EnginePool.open(backend, config, pool=pool)  # type: ignore[assignment]
+            return served
         return await AsyncEngine.open(backend, config)
 
+    what = backend if pool is None else f"a pool of {pool.replicas} {backend} replicas ({pool.policy.value})"
+
     def ready(_engine: ServedEngine) -> None:
-        print(f"rlinfer serve: {backend} serving {settings.served_model_name!r} on http://{host}:{port}", flush=True)
+        print(f"rlinfer serve: {what} serving {settings.served_model_name!r} on http://{host}:{port}", flush=True)
         if args.ready_file:
             path = Path(args.ready_file)
             tmp = path.with_suffix(".tmp")
