@@ -8,7 +8,7 @@ VENVS := .venvs
 DEMO_BACKEND ?= vllm
 DEMO_OUT ?= out/demo
 
-.PHONY: env-core env-vllm env-sglang envs demo test lint typecheck test-core test-vllm test-sglang test-ray test-ray-sglang test-server test-wheels test-vllm-server test-vllm-server-ci test-sglang-server test-sglang-server-ci test-sglang-tp2 thorough clean-envs
+.PHONY: env-core env-vllm env-sglang envs demo test lint typecheck test-core test-vllm test-sglang test-ray test-ray-sglang test-server test-wheels test-vllm-server test-vllm-server-ci test-sglang-server test-sglang-server-ci test-sglang-tp2 test-vllm-tp2 thorough clean-envs
 
 env-core: $(VENVS)/core/.built
 env-vllm: $(VENVS)/vllm/.built
@@ -72,6 +72,13 @@ test-sglang-server-ci: env-sglang
 # bucket updates reach both ranks, in process and in server mode (~1.5 min; issue 12)
 test-sglang-tp2: env-sglang
 	RLINFER_SGLANG_TP2_TESTS=1 timeout 600 $(VENVS)/sglang/bin/python -m pytest tests/backends/sglang/test_sglang_tp2_cpu.py -q -p no:cacheprovider
+	# the kit at tensor_parallel_size=2 (each rank on its own core), fault matrix and extra architectures aside (~1.5 min)
+	timeout 900 $(VENVS)/sglang/bin/python -m pytest tests/backends/test_sglang_conformance.py -q -p no:cacheprovider --rlinfer-backend sglang --rlinfer-config tensor_parallel_size=2 -k "not killed_in_turn and not architecture" --rlinfer-report out/conformance-sglang-tp2.json
+
+# the kit against vLLM at tensor_parallel_size=2 on CPU (each rank on its own core), fault matrix,
+# extra architectures and LoRA aside (~1 min)
+test-vllm-tp2: env-vllm
+	timeout 900 $(VENVS)/vllm/bin/python -m pytest tests/backends/test_vllm_conformance.py -q -p no:cacheprovider --rlinfer-backend vllm --rlinfer-config tensor_parallel_size=2 -k "not killed_in_turn and not architecture and not lora" --rlinfer-report out/conformance-vllm-tp2.json
 
 # rlinfer-ray: pool tests (two vLLM replicas on a local Ray cluster), then the kit against a pool
 # of two replicas for each backend (rlinfer conformance --backend X --replicas 2). The kit's
@@ -96,7 +103,7 @@ test-server: env-vllm
 test-wheels:
 	PYTHON=$(PYTHON) bash dev/envs/test_wheels.sh
 
-test: lint typecheck test-core test-wheels test-vllm test-vllm-server-ci test-sglang test-sglang-server-ci test-sglang-tp2 test-ray test-server
+test: lint typecheck test-core test-wheels test-vllm test-vllm-server-ci test-sglang test-sglang-server-ci test-sglang-tp2 test-vllm-tp2 test-ray test-server
 
 # slower checks, not in `make test`: the kit in vLLM server mode alone takes ~15-25 min on 2 shared cores
 thorough: test test-vllm-server test-sglang-server test-ray-sglang
