@@ -90,3 +90,15 @@ def test_serve_opens_a_pool_only_when_asked(tmp_path: Path) -> None:
     with pytest.raises(InvalidRequest) as info:
         settings("--replicas", "0")
     assert info.value.field == "replicas"
+
+
+def test_bench_replicas_reads_the_section(tmp_path: Path) -> None:
+    from rlinfer_demo.bench import bench_pool_config
+
+    path = _file(tmp_path, "rollout: {name: vllm}\npool: {replicas: 3, policy: session, cpus_per_replica: 0.5}\n")
+    args = build_parser().parse_args(["bench", "--config", str(path), "--replicas", "2"])
+    assert bench_pool_config(args, 2) == PoolConfig(replicas=2, policy=RouterPolicy.SESSION, cpus_per_replica=0.5)
+    assert bench_pool_config(build_parser().parse_args(["bench", "--replicas", "1"]), 1) == PoolConfig(replicas=1)
+    bad = _file(tmp_path, "pool: {routing: nearest}\n", "bad.yaml")
+    with pytest.raises(InvalidRequest, match=r"bad\.yaml"):
+        bench_pool_config(build_parser().parse_args(["bench", "--config", str(bad), "--replicas", "2"]), 2)

@@ -123,16 +123,26 @@ def _raw_reloader(engine: Any, paths: list[str]) -> UpdateSide:
     return run
 
 
-async def _open_pool(backend: str, config: EngineConfig, replicas: int) -> Any:
+def bench_pool_config(args: argparse.Namespace, replicas: int) -> Any:
+    """The pool of ``--replicas N``: the ``--config`` file's ``pool:`` section (routing, CPUs,
+    Ray address, ...) with ``replicas`` on top (rlinfer_ray.config_file)."""
+    from rlinfer_core.config_file import read_config_file
     from rlinfer_core.errors import InvalidRequest
 
     try:
-        from rlinfer_ray import EnginePool, PoolConfig
+        from rlinfer_ray.config_file import pool_config
     except ModuleNotFoundError as exc:
-        if exc.name not in ("rlinfer_ray", "ray"):
+        if exc.name not in ("rlinfer_ray", "rlinfer_ray.config_file", "ray"):
             raise
         raise InvalidRequest("replicas", f"--replicas needs rlinfer-ray installed ({exc})") from None
-    return await EnginePool.open(backend, config, pool=PoolConfig(replicas=replicas), load_entry_point_plugins=False)
+    settings = read_config_file(args.config) if getattr(args, "config", None) else None
+    return pool_config(settings, {"replicas": replicas})
+
+
+async def _open_pool(backend: str, config: EngineConfig, pool_config: Any) -> Any:
+    from rlinfer_ray import EnginePool
+
+    return await EnginePool.open(backend, config, pool=pool_config, load_entry_point_plugins=False)
 
 
 async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -140,6 +150,7 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="rlinfer-bench-"))
     backend, config, named = bench_config(args, workdir)
     replicas = getattr(args, "replicas", None)
+    pool_settings = bench_pool_config(args, replicas) if replicas else None
     load_before = machine_load()
     opened: dict[str, Any] = {}
     open_s: dict[str, float] = {}
@@ -162,7 +173,7 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             inproc = await open_side("inprocess", AsyncEngine.open(backend, twin, load_entry_point_plugins=False))
             gen_sides["inprocess"] = _tokens(inproc)
         if replicas:
-            pool = await open_side("pool", _open_pool(backend, config, replicas))
+            pool = await open_side("pool", _open_pool(backend, config, pool_settings))
             gen_sides["pool"] = _tokens(pool)
             if replicas > 1:
 
