@@ -95,8 +95,9 @@ test-ray: env-vllm
 test-ray-sglang: env-sglang
 	$(RAY_STOP) $(VENVS)/sglang/bin/python -m pytest tests/backends/test_sglang_conformance.py -q --rlinfer-backend sglang --rlinfer-replicas 2 --rlinfer-report out/conformance-sglang-pool.json $(POOL_KIT_SKIP)
 
+# tests/server/test_serve_pool.py serves a 2-replica pool on a local Ray (~70 s): stop its Ray leftovers
 test-server: env-vllm
-	timeout 1500 $(VENVS)/vllm/bin/python -m pytest tests/server -q -p no:cacheprovider
+	$(RAY_STOP) timeout 1500 $(VENVS)/vllm/bin/python -m pytest tests/server -q -p no:cacheprovider
 
 # Packaging: wheel + sdist of every distribution, installed (not editable) into a fresh venv;
 # `rlinfer backends` must list both backends from there (< 1 min once the build tools exist).
