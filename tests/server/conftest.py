@@ -6,6 +6,7 @@ YAML config file, so the server is also started through ``--config``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
@@ -67,34 +69,59 @@ def write_config(path: Path, model: Path) -> Path:
     return path
 
 
+@contextlib.contextmanager
+def run_serve(
+    config: Path, tmp: Path, models: tuple[Path, Path], *args: str, env: dict[str, str] | None = None
+) -> Iterator[Served]:
+    """``rlinfer serve --config CONFIG ARGS...`` as a subprocess on a free port, once it serves;
+    stopped (SIGTERM, then its whole process group killed) afterwards."""
+    ready, log = tmp / "ready.json", tmp / "server.log"
+    cmd = [sys.executable, "-m", "rlinfer_core.cli", "serve", "--config", str(config), "--port", "0"]
+    cmd += ["--served-model-name", MODEL_NAME, "--ready-file", str(ready), "--log-level", "warning", *args]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env or os.environ.copy(), start_new_session=True
+        )
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"rlinfer serve {' '.join(args)} did not start (rc={proc.poll()}):\n{log.read_text()[-4000:]}")
+        time.sleep(0.5)
+    info = json.loads(ready.read_text())
+    try:
+        yield Served(f"http://{info['host']}:{info['port']}", API_KEY, proc, *models, log)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
+def completion_of(extra: dict[str, Any], finish_reason: str) -> tuple[Any, Any]:
+    """(request, completion) of a completion choice's extra fields, for the kit's oracle."""
+    from rlinfer_core.types import Completion, FinishReason, GenerateRequest, SamplingParams
+
+    request = GenerateRequest(prompt_token_ids=extra["prompt_token_ids"], sampling=SamplingParams(temperature=0))
+    completion = Completion(
+        request_id=request.request_id,
+        index=0,
+        prompt_token_ids=tuple(extra["prompt_token_ids"]),
+        token_ids=tuple(extra["token_ids"]),
+        logprobs=tuple(extra["token_logprobs"]),
+        finish_reason=FinishReason(finish_reason),
+    )
+    return request, completion
+
+
 @pytest.fixture(scope="session")
 def server(tiny_models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     tmp = tmp_path_factory.mktemp("server")
     config = write_config(tmp / "rollout.yaml", tiny_models[0])
-    ready = tmp / "ready.json"
-    log = tmp / "server.log"
-    cmd = [sys.executable, "-m", "rlinfer_core.cli", "serve", "--config", str(config), "--port", "0"]
-    cmd += ["--served-model-name", MODEL_NAME, "--ready-file", str(ready), "--log-level", "warning"]
-    env = dict(os.environ, RLINFER_API_KEY=API_KEY)
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"rlinfer serve did not start (rc={proc.poll()}):\n{log.read_text()[-4000:]}")
-        time.sleep(0.5)
-    info = json.loads(ready.read_text())
-    served = Served(f"http://{info['host']}:{info['port']}", API_KEY, proc, *tiny_models, log)
-    try:
+    with run_serve(config, tmp, tiny_models, env=dict(os.environ, RLINFER_API_KEY=API_KEY)) as served:
         yield served
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import re
 
 import httpx
 import pytest
-from conftest import MODEL_NAME, Served
+from conftest import MODEL_NAME, Served, completion_of
 
 CONTROL_GETS = ["/control/weight_version", "/control/info"]
 CONTROL_POSTS = ["/control/resume", "/control/abort", "/control/pause", "/control/update_weights"]
@@ -72,7 +72,6 @@ def _metric(text: str, name: str) -> float:
 def test_weight_update_over_http_then_oracle_parity(server: Served, client) -> None:
     from rlinfer_conformance.oracle import Oracle
     from rlinfer_conformance.world import LOGPROB_TOLERANCE
-    from rlinfer_core.types import FinishReason, GenerateRequest, SamplingParams
 
     h = server.control_headers
     before = httpx.get(f"{server.url}/control/weight_version", headers=h, timeout=TIMEOUT).json()["weight_version"]
@@ -93,18 +92,7 @@ def test_weight_update_over_http_then_oracle_parity(server: Served, client) -> N
     for choice in out.choices:
         extra = choice.model_extra
         assert extra["token_versions"] == [before + 1] * len(extra["token_ids"])
-        from rlinfer_core.types import Completion
-
-        request = GenerateRequest(prompt_token_ids=extra["prompt_token_ids"], sampling=SamplingParams(temperature=0))
-        completion = Completion(
-            request_id=request.request_id,
-            index=0,
-            prompt_token_ids=tuple(extra["prompt_token_ids"]),
-            token_ids=tuple(extra["token_ids"]),
-            logprobs=tuple(extra["token_logprobs"]),
-            finish_reason=FinishReason(choice.finish_reason),
-        )
-        parity = oracle.check("other", request, completion)
+        parity = oracle.check("other", *completion_of(extra, choice.finish_reason))
         assert parity.tokens_checked == 12
         assert not parity.argmax_mismatches, parity.argmax_mismatches
         assert parity.max_abs_logprob_delta <= LOGPROB_TOLERANCE

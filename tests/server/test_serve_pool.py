@@ -8,18 +8,13 @@ the same checksums, and round-robin routing sends the parity prompts to both rep
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from conftest import API_KEY, BACKEND, MODEL_NAME, START_TIMEOUT_S, Served, write_config
+from conftest import API_KEY, BACKEND, MODEL_NAME, Served, completion_of, run_serve, write_config
 
 pytest.importorskip("ray")
 pytest.importorskip("rlinfer_ray.config_file")
@@ -37,46 +32,10 @@ def pool_server(tiny_models: tuple[Path, Path], tmp_path_factory: pytest.TempPat
     data = yaml.safe_load(config.read_text())
     data["pool"] = {"replicas": REPLICAS, "policy": "session", "cpus_per_replica": 1}
     config.write_text(yaml.safe_dump(data))
-    ready, log = tmp / "ready.json", tmp / "server.log"
-    cmd = [sys.executable, "-m", "rlinfer_core.cli", "serve", "--config", str(config), "--port", "0"]
-    cmd += ["--routing", "round_robin", "--served-model-name", MODEL_NAME, "--ready-file", str(ready)]
-    cmd += ["--log-level", "warning"]
     env = dict(os.environ, RLINFER_API_KEY=API_KEY)
     env.pop("RAY_ADDRESS", None)  # a local Ray instance of the server's own
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
-            pytest.fail(f"rlinfer serve --replicas did not start (rc={proc.poll()}):\n{log.read_text()[-4000:]}")
-        time.sleep(0.5)
-    info = json.loads(ready.read_text())
-    served = Served(f"http://{info['host']}:{info['port']}", API_KEY, proc, *tiny_models, log)
-    try:
+    with run_serve(config, tmp, tiny_models, "--routing", "round_robin", env=env) as served:
         yield served
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
-
-
-def _completion(extra: dict, finish_reason: str):  # type: ignore[no-untyped-def]
-    from rlinfer_core.types import Completion, FinishReason, GenerateRequest, SamplingParams
-
-    request = GenerateRequest(prompt_token_ids=extra["prompt_token_ids"], sampling=SamplingParams(temperature=0))
-    completion = Completion(
-        request_id=request.request_id,
-        index=0,
-        prompt_token_ids=tuple(extra["prompt_token_ids"]),
-        token_ids=tuple(extra["token_ids"]),
-        logprobs=tuple(extra["token_logprobs"]),
-        finish_reason=FinishReason(finish_reason),
-    )
-    return request, completion
 
 
 def test_pool_serves_completions_and_weight_updates_reach_every_replica(pool_server: Served) -> None:
@@ -120,7 +79,7 @@ def test_pool_serves_completions_and_weight_updates_reach_every_replica(pool_ser
     for choice in out.choices:
         extra = choice.model_extra
         assert extra["token_versions"] == [1] * 8
-        parity = oracle.check("other", *_completion(extra, choice.finish_reason))
+        parity = oracle.check("other", *completion_of(extra, choice.finish_reason))
         assert parity.tokens_checked == 8
         assert not parity.argmax_mismatches, parity.argmax_mismatches
         assert parity.max_abs_logprob_delta <= LOGPROB_TOLERANCE
