@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 
 from rlinfer_core.errors import InvalidRequest, WeightUpdateError
 from rlinfer_core.weights import BroadcastGroup, BroadcastSource, CheckpointDir, TensorSpec, WeightUpdate
@@ -75,7 +75,14 @@ async def pause(body: PauseBody, request: Request) -> dict[str, Any]:
     return {"ok": True, "mode": body.mode}
 
 
-@router.post("/resume")
+async def _no_body_or_object(request: Request) -> None:
+    """Endpoints without parameters take no body or ``{}``; FastAPI reads a JSON ``null`` body as
+    no body at all, so it is refused here."""
+    if (await request.body()).strip() == b"null":
+        raise HTTPError(400, "expected no body or a JSON object, got null", "body")
+
+
+@router.post("/resume", dependencies=[Depends(_no_body_or_object)])
 async def resume(request: Request, body: EmptyBody | None = None) -> dict[str, Any]:
     """Resume after pause."""
     await _state(request).engine.resume()
@@ -105,7 +112,7 @@ async def resume_memory(body: MemoryBody, request: Request) -> dict[str, Any]:
     return {"released": sorted(str(t) for t in engine.released)}
 
 
-@router.post("/reset_prefix_cache")
+@router.post("/reset_prefix_cache", dependencies=[Depends(_no_body_or_object)])
 async def reset_prefix_cache(request: Request, body: EmptyBody | None = None) -> dict[str, Any]:
     """Drop cached prefixes."""
     await _state(request).engine.reset_prefix_cache()
