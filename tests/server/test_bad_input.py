@@ -59,6 +59,9 @@ known = [
     "logit_bias",
 ]
 
+#: fields where some endpoint accepts a string (a text prompt, a stop string, the model's name...)
+TAKES_STRING = {"model", "prompt", "stop", "source", "path", "mode"}
+
 
 @st.composite
 def bad_bodies(draw: st.DrawFn) -> bytes:
@@ -69,11 +72,13 @@ def bad_bodies(draw: st.DrawFn) -> bytes:
     if kind == "nonobject":
         return json.dumps(draw(st.lists(json_values, max_size=3) | scalars)).encode()
     body = {"model": MODEL_NAME, "prompt": [5, 6]}
-    if kind == "unknown":
-        body[draw(st.text(min_size=1, max_size=8).filter(lambda k: k not in [*known, "prompt"]))] = draw(json_values)
-    else:  # a known field with a value of the wrong type (a string where numbers go, and so on)
-        body[draw(st.sampled_from(known))] = draw(
-            st.text(max_size=5) | st.dictionaries(st.text(max_size=3), scalars, max_size=2)
+    if kind == "unknown":  # "~" first: no endpoint has such a field (an optional OpenAI one would be valid)
+        body["~" + draw(st.text(max_size=8))] = draw(json_values)
+    elif draw(st.booleans()):  # a string where a string is never valid
+        body[draw(st.sampled_from([k for k in known if k not in TAKES_STRING]))] = draw(st.text(max_size=5))
+    else:  # an object where an object is never valid
+        body[draw(st.sampled_from([k for k in known if k != "logit_bias"]))] = draw(
+            st.dictionaries(st.text(max_size=3), scalars, max_size=2)
         )
     return json.dumps(body).encode()
 
