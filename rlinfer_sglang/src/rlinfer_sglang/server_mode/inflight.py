@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.types import PauseMode
@@ -24,6 +24,18 @@ ABORT_SETTLE_S = 2.0
 
 class InFlight(ServerBase):
     """Admission gate, in-flight rids, abort, pause and resume."""
+
+    @contextlib.asynccontextmanager
+    async def _gate_closed(self) -> AsyncIterator[None]:
+        """New requests wait at the gate for the block; it reopens after unless it was closed
+        already (a pause keeps it closed)."""
+        closed_here = self._gate.is_set()
+        self._gate.clear()
+        try:
+            yield
+        finally:
+            if closed_here:
+                self._gate.set()
 
     async def _wait_gate(self, request_ids: list[str]) -> None:
         """Hold requests back while paused; return early once all of them are aborted."""

@@ -166,10 +166,8 @@ class ServerWeights(InFlight):
     async def _quiet_scheduler(self) -> AsyncIterator[None]:
         """Nothing runs in the scheduler for the block: new requests wait at the gate, requests in
         flight are retracted (they keep their tokens) unless SGLang is paused already."""
-        closed_here = self._gate.is_set()
-        self._gate.clear()
-        hold = self._active > 0 and not self._sglang_paused and not self._memory_paused
-        try:
+        async with self._gate_closed():
+            hold = self._active > 0 and not self._sglang_paused and not self._memory_paused
             if hold:
                 await self._sglang_pause("retract")
             try:
@@ -177,18 +175,13 @@ class ServerWeights(InFlight):
             finally:
                 if hold:
                     await asyncio.shield(self._sglang_continue())
-        finally:
-            if closed_here:
-                self._gate.set()
 
     @asynccontextmanager
     async def _idle_scheduler(self) -> AsyncIterator[None]:
         """For an SGLang without /begin_weight_update: new requests wait at the gate and the block
         runs once the requests in flight finished (bounded by ``request_timeout_s``; nothing is
         loaded when they do not finish in time)."""
-        closed_here = self._gate.is_set()
-        self._gate.clear()
-        try:
+        async with self._gate_closed():
             timeout = self.config.request_timeout_s
             try:
                 await asyncio.wait_for(self._idle.wait(), timeout=timeout)
@@ -199,9 +192,6 @@ class ServerWeights(InFlight):
                     "(this SGLang loads only between requests: pause(abort) first)"
                 ) from exc
             yield
-        finally:
-            if closed_here:
-                self._gate.set()
 
     def _quiet(self) -> Any:
         """How nothing runs during an update: requests retracted for it, or (an SGLang without
@@ -305,16 +295,11 @@ class ServerWeights(InFlight):
         if self._flush_needs_idle:
             # this SGLang does not flush while a retracted request is pending: new requests wait
             # at the gate and SGLang flushes once the running ones finished (its deferred flush)
-            closed_here = self._gate.is_set()
-            self._gate.clear()
-            try:
+            async with self._gate_closed():
                 if not await self._flush(http, FLUSH_WAIT_S):
                     raise RLInferError(
                         f"SGLang refused to flush its cache: requests still ran after {FLUSH_WAIT_S:.0f} s"
                     )
-            finally:
-                if closed_here:
-                    self._gate.set()
             return
         await self._sglang_pause("retract")
         try:
