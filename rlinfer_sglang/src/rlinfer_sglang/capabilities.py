@@ -160,8 +160,9 @@ CPU_NOTES = {
 CUDA_NOTES = {
     Capability.DETERMINISTIC.value: DETERMINISTIC_CUDA_NOTE,
     Capability.MEMORY_RELEASE.value: (
-        "SGLang torch_memory_saver (weights backed up to host memory, KV cache discarded); needs "
-        "EngineConfig(enable_memory_release=True) at start"
+        "SGLang torch_memory_saver (weights backed up to a pinned host buffer that is kept between "
+        "releases, TMS_RETAIN_CPU_BACKUP=1; KV cache discarded); needs EngineConfig(enable_memory_release=True) "
+        "at start"
     ),
     Capability.SEEDED_SAMPLING.value: SEED_NOTE,
     Capability.WEIGHTS_TENSORS.value: "named tensors reach the scheduler as CUDA IPC handles",

@@ -14,6 +14,12 @@ from rlinfer_sglang.config import needs_context_override
 
 #: SGLang's per-TP-rank CPU core binding on CPU ("0-3|4-7": cores of rank 0 | rank 1)
 THREADS_BIND = "SGLANG_CPU_OMP_THREADS_BIND"
+#: torch_memory_saver keeps the pinned host buffer of the weights' backup between releases instead
+#: of allocating it at each release and freeing it at each resume. Measured on an H100 (1.26 GB of
+#: weights, 39 GiB freed): release 0.555 -> 0.071 s, resume 0.173 -> 0.056 s; the first release
+#: still allocates it (0.75 s). The price: host memory the size of the weights (per rank), pinned
+#: for the engine's life once it released its weights.
+RETAIN_BACKUP = "TMS_RETAIN_CPU_BACKUP"
 
 
 def engine_environment(config: EngineConfig, platform: str) -> dict[str, str]:
@@ -27,6 +33,8 @@ def engine_environment(config: EngineConfig, platform: str) -> dict[str, str]:
         binding = binding_for(config.tensor_parallel_size * config.data_parallel_size)
         if binding is not None and THREADS_BIND not in os.environ:
             env[THREADS_BIND] = binding
+    if platform == "cuda" and config.enable_memory_release and RETAIN_BACKUP not in os.environ:
+        env[RETAIN_BACKUP] = "1"
     if needs_context_override(config) and "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN" not in os.environ:
         env["SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"] = "1"
     return env

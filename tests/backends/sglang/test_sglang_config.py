@@ -171,3 +171,17 @@ def test_cpu_ranks_get_their_own_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     assert engine_env.THREADS_BIND not in engine_env.engine_environment(two, "cuda")
     monkeypatch.setenv(engine_env.THREADS_BIND, "5|6")  # the caller's choice wins
     assert engine_env.THREADS_BIND not in engine_env.engine_environment(two, "cpu")
+
+
+def test_memory_release_on_cuda_keeps_the_weights_backup_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rlinfer_sglang import engine_env
+
+    monkeypatch.delenv(engine_env.RETAIN_BACKUP, raising=False)
+    releasing = EngineConfig(model="m", device="cuda", enable_memory_release=True)
+    assert engine_env.engine_environment(releasing, "cuda")[engine_env.RETAIN_BACKUP] == "1"
+    assert engine_env.RETAIN_BACKUP not in engine_env.engine_environment(
+        attrs.evolve(releasing, enable_memory_release=False), "cuda"
+    )
+    assert engine_env.RETAIN_BACKUP not in engine_env.engine_environment(attrs.evolve(releasing, device="cpu"), "cpu")
+    monkeypatch.setenv(engine_env.RETAIN_BACKUP, "0")  # the caller's choice wins
+    assert engine_env.RETAIN_BACKUP not in engine_env.engine_environment(releasing, "cuda")
