@@ -16,6 +16,7 @@ waits for every request in flight; requests that started later carry the new ver
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Mapping
 
@@ -49,16 +50,22 @@ class TokenVersions:
         self.current = version
 
     def of(self, rid: str, count: int, start: int = 0) -> tuple[int, ...]:
-        """Versions of tokens ``[start, count)`` of sample ``rid``."""
+        """Versions of tokens ``[start, count)`` of sample ``rid``: for each token, the last mark
+        whose boundary it reached, else the version it started with. Built a run at a time (the
+        version only changes at a boundary), not token by token: this runs for every token of
+        every sample."""
+        if count <= start:
+            return ()
         base = self._start.get(rid, self.current)
         marks = self._marks.get(rid, [])
-        out = []
-        for i in range(start, count):
+        cuts = sorted({start, count, *(math.ceil(b) for b, _ in marks if start < b < count)})
+        out: list[int] = []
+        for lo, hi in itertools.pairwise(cuts):
             version = base
             for boundary, new in marks:
-                if i >= boundary:
+                if lo >= boundary:
                     version = new
-            out.append(version)
+            out.extend([version] * (hi - lo))
         return tuple(out)
 
     def forget(self, rid: str) -> None:

@@ -9,11 +9,13 @@ endpoint's own answers to a malformed body and a wrong method are 4xx JSON error
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 
 pytest.importorskip("vllm")
@@ -159,11 +161,65 @@ def test_engine_client_answers_read_back_exactly() -> None:
         sampling=SamplingParams(max_tokens=2, logprobs=2, prompt_logprobs=True, stop_token_ids=(8,)),
         request_id="r",
     )
-    answer = json.loads(json.dumps(engine_route.answer("r", "generate-tokens-r", final, Versions())))
+    answer = json.loads(json.dumps(engine_route.answer("r", "generate-tokens-r", final, Versions(), with_top=True)))
+    assert set(answer["choices"][0]) >= {"lp", "top"} and "logprobs" not in answer["choices"][0]
     (done,) = convert.completions(request, [1, 2, 3], answer, 0.1, live_version=1)
     assert done.token_ids == (7, 8) and done.logprobs == (-0.1, -5.0)
     assert done.top_logprobs == ({7: -0.1, 9: -2.0}, {1: -0.5, 2: -1.0})
     assert done.prompt_logprobs == (None, -1.0, float("-inf"))
     assert done.finish_reason is FinishReason.STOP and done.stop_reason == 8
     assert done.token_versions == (0, 1)
-    assert engine_route.answer("r", "generate-tokens-r", None, Versions()) == {"request_id": "r", "choices": []}
+    assert engine_route.answer("r", "generate-tokens-r", None, Versions(), with_top=True) == {
+        "request_id": "r",
+        "choices": [],
+    }
+    sampled_only = json.loads(
+        json.dumps(engine_route.answer("r", "generate-tokens-r", final, Versions(), with_top=False))
+    )
+    assert "top" not in sampled_only["choices"][0]
+    (plain,) = convert.completions(
+        attrs.evolve(request, sampling=attrs.evolve(request.sampling, logprobs=0)), [1, 2, 3], sampled_only, 0.1, 1
+    )
+    assert plain.logprobs == (-0.1, -5.0) and plain.top_logprobs is None
+
+
+def test_compact_answers_read_back_as_the_token_endpoints_answers() -> None:
+    """The batch route's compact logprobs (0.32 path: the token endpoint's answer, compacted) read
+    back exactly as the token endpoint's own answer does: ranks cut at k, the sampled token's
+    logprob also where it is outside the top k, -inf clamped both ways."""
+    from rlinfer_vllm.server_mode import convert, engine_route
+
+    def top(*entries: tuple[int, float, int]) -> list[dict[str, Any]]:
+        return [{"token_id": t, "logprob": lp, "rank": r} for t, lp, r in entries]
+
+    verbose = {
+        "request_id": "r",
+        "choices": [
+            {
+                "index": 0,
+                "token_ids": [7, 8],
+                "logprobs": {
+                    "content": [
+                        {"token_id": 7, "logprob": -0.1, "top_logprobs": top((9, -2.0, 2), (7, -0.1, 1), (3, -3.0, 3))},
+                        {
+                            "token_id": 8,
+                            "logprob": convert.CLAMPED,
+                            "top_logprobs": top((8, convert.CLAMPED, 4), (1, -0.5, 1), (2, -1.0, 2)),
+                        },
+                    ]
+                },
+                "finish_reason": "length",
+                "stop_reason": None,
+            }
+        ],
+        "prompt_logprobs": None,
+    }
+    for k in (0, 1, 2):
+        request = GenerateRequest(
+            prompt_token_ids=[1, 2], sampling=SamplingParams(max_tokens=2, logprobs=k), request_id="r"
+        )
+        compacted = json.loads(json.dumps(engine_route.compact(json.loads(json.dumps(verbose)), with_top=k > 0)))
+        assert "logprobs" not in compacted["choices"][0]
+        expected = convert.completions(request, [1, 2], verbose, 0.1, 0)
+        assert convert.completions(request, [1, 2], compacted, 0.1, 0) == expected
+        assert expected[0].logprobs == (-0.1, float("-inf"))

@@ -123,8 +123,9 @@ async def _post_body(scope: Scope, receive: Receive, send: Send, path: str) -> b
 
 
 async def _one(app: Any, scope: Scope, item: Any) -> tuple[int, Any]:
-    """(status, body) of one item, exactly as ``/inference/v1/generate`` answers it (on an older
-    vLLM: as 0.32's answers it, through :mod:`rlinfer_vllm.server_mode.engine_route`)."""
+    """(status, body) of one item, as ``/inference/v1/generate`` answers it (on an older vLLM: as
+    0.32's answers it, through :mod:`rlinfer_vllm.server_mode.engine_route`), its logprobs in the
+    compact shape of :func:`rlinfer_vllm.server_mode.engine_route.compact`."""
     import pydantic
     from fastapi.exceptions import RequestValidationError
     from starlette.requests import Request
@@ -168,7 +169,7 @@ async def _one(app: Any, scope: Scope, item: Any) -> tuple[int, Any]:
     )
     if isinstance(answer, error_type):
         return int(answer.error.code), answer.model_dump()
-    return 200, answer.model_dump()
+    return 200, engine_route.compact(answer.model_dump(), with_top=bool(request.sampling_params.logprobs))
 
 
 class BatchRoute:

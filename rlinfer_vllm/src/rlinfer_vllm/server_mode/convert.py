@@ -97,6 +97,8 @@ def _lp(value: float) -> float:
 
 
 def _logprobs(choice: Mapping[str, Any], k: int) -> tuple[tuple[float, ...], tuple[Mapping[int, float], ...] | None]:
+    if "lp" in choice:  # the batch route's compact shape
+        return _compact_logprobs(choice, k)
     content = (choice.get("logprobs") or {}).get("content") or ()
     sampled = tuple(_lp(c["logprob"]) for c in content)
     if not k:
@@ -105,6 +107,19 @@ def _logprobs(choice: Mapping[str, Any], k: int) -> tuple[tuple[float, ...], tup
     for c in content:
         ranked = sorted(c.get("top_logprobs") or (), key=lambda t: t.get("rank") or math.inf)
         tops.append({int(t["token_id"]): _lp(t["logprob"]) for t in ranked if (t.get("rank") or math.inf) <= k})
+    return sampled, tuple(tops)
+
+
+def _compact_logprobs(
+    choice: Mapping[str, Any], k: int
+) -> tuple[tuple[float, ...], tuple[Mapping[int, float], ...] | None]:
+    sampled = tuple(_lp(v) for v in choice["lp"])
+    if not k:
+        return sampled, None
+    tops = []
+    for row in choice.get("top") or ():
+        ranked = sorted(row, key=lambda t: t[2] or math.inf)
+        tops.append({int(t[0]): _lp(t[1]) for t in ranked if (t[2] or math.inf) <= k})
     return sampled, tuple(tops)
 
 
