@@ -124,7 +124,6 @@ def test_engine_client_answers_read_back_exactly() -> None:
     """The engine-client path's answer (vLLM's own output types in, 0.32's JSON shape out) reads
     back through the client's converter: ranked top logprobs, -inf prompt logprobs, stop reasons,
     per-token versions from the spans."""
-    import json
 
     from vllm.logprobs import Logprob
     from vllm.outputs import CompletionOutput, RequestOutput
