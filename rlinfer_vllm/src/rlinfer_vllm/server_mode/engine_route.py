@@ -128,9 +128,10 @@ def compact(answer: dict[str, Any], with_top: bool) -> dict[str, Any]:
     """The token endpoint's answer with each choice's logprobs in the batch route's compact shape:
     ``"lp"``, the sampled tokens' logprobs, and (``with_top``: top-k asked for) ``"top"``, each
     token's ``[token_id, logprob, rank]`` triples, in place of ``logprobs.content``, a dict per
-    token. The client reads both shapes (:mod:`rlinfer_vllm.server_mode.convert`). Measured on
-    128 x 512 tokens on 2 CPU cores: building, encoding and decoding the per-token dicts took
-    ~1 s after the last token, which an H100 run turned into ~12 % of server-mode throughput."""
+    token. The client reads both shapes (:mod:`rlinfer_vllm.server_mode.convert`). For 128 x 512
+    tokens, building, encoding, decoding and converting the per-token dicts took 0.97 s on 2 CPU
+    cores, all after the last token; compact: 0.11 s (dev/bench/vllm_server_answer_bench.py). On
+    an H100, server mode lagged in-process by 0.65 s a run of that batch (0.937 of its tok/s)."""
     for choice in answer.get("choices") or ():
         content = (choice.pop("logprobs", None) or {}).get("content")
         if content is None:
