@@ -96,24 +96,28 @@ def _lp(value: float) -> float:
     return -math.inf if value <= CLAMPED else float(value)
 
 
+def compact_logprobs(choice: Mapping[str, Any], with_top: bool) -> dict[str, Any]:
+    """A token-endpoint choice's logprobs in the batch route's compact shape: ``"lp"``, the
+    sampled tokens' logprobs, and (``with_top``: top-k asked for) ``"top"``, each token's
+    ``[token_id, logprob, rank]`` triples, in place of ``logprobs.content``, a dict per token.
+    Empty when the choice has no logprobs."""
+    content = (choice.get("logprobs") or {}).get("content")
+    if content is None:
+        return {}
+    shape: dict[str, Any] = {"lp": [c["logprob"] for c in content]}
+    if with_top:
+        shape["top"] = [
+            [[t["token_id"], t["logprob"], t.get("rank")] for t in c.get("top_logprobs") or ()] for c in content
+        ]
+    return shape
+
+
 def _logprobs(choice: Mapping[str, Any], k: int) -> tuple[tuple[float, ...], tuple[Mapping[int, float], ...] | None]:
-    if "lp" in choice:  # the batch route's compact shape
-        return _compact_logprobs(choice, k)
-    content = (choice.get("logprobs") or {}).get("content") or ()
-    sampled = tuple(_lp(c["logprob"]) for c in content)
-    if not k:
-        return sampled, None
-    tops = []
-    for c in content:
-        ranked = sorted(c.get("top_logprobs") or (), key=lambda t: t.get("rank") or math.inf)
-        tops.append({int(t["token_id"]): _lp(t["logprob"]) for t in ranked if (t.get("rank") or math.inf) <= k})
-    return sampled, tuple(tops)
-
-
-def _compact_logprobs(
-    choice: Mapping[str, Any], k: int
-) -> tuple[tuple[float, ...], tuple[Mapping[int, float], ...] | None]:
-    sampled = tuple(_lp(v) for v in choice["lp"])
+    """(sampled logprobs, top-k by rank or None) of a choice in either shape: the batch route's
+    compact one, or the token endpoint's own (per-request path, streams)."""
+    if "lp" not in choice:
+        choice = compact_logprobs(choice, with_top=bool(k))
+    sampled = tuple(_lp(v) for v in choice.get("lp") or ())
     if not k:
         return sampled, None
     tops = []

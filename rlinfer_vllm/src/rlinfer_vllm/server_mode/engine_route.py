@@ -24,6 +24,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from rlinfer_vllm.server_mode import convert
 from rlinfer_vllm.server_mode.convert import CLAMPED, ID_PREFIX
 
 #: rlinfer's weight-version label route (served only where this path runs; else 404)
@@ -125,22 +126,15 @@ def _compact_logprobs(token_ids: Sequence[int], rows: Any, with_top: bool) -> di
 
 
 def compact(answer: dict[str, Any], with_top: bool) -> dict[str, Any]:
-    """The token endpoint's answer with each choice's logprobs in the batch route's compact shape:
-    ``"lp"``, the sampled tokens' logprobs, and (``with_top``: top-k asked for) ``"top"``, each
-    token's ``[token_id, logprob, rank]`` triples, in place of ``logprobs.content``, a dict per
-    token. The client reads both shapes (:mod:`rlinfer_vllm.server_mode.convert`). For 128 x 512
-    tokens, building, encoding, decoding and converting the per-token dicts took 0.97 s on 2 CPU
-    cores, all after the last token; compact: 0.11 s (dev/bench/vllm_server_answer_bench.py). On
-    an H100, server mode lagged in-process by 0.65 s a run of that batch (0.937 of its tok/s)."""
+    """The token endpoint's answer with each choice's logprobs in the batch route's compact shape
+    (:func:`rlinfer_vllm.server_mode.convert.compact_logprobs`), which the client reads as well as
+    the token endpoint's own. For 128 x 512 tokens, building, encoding, decoding and converting the
+    per-token dicts took 0.97 s on 2 CPU cores, all after the last token; compact: 0.11 s
+    (dev/bench/vllm_server_answer_bench.py). On an H100, server mode lagged in-process by 0.65 s a
+    run of that batch (0.937 of its tok/s)."""
     for choice in answer.get("choices") or ():
-        content = (choice.pop("logprobs", None) or {}).get("content")
-        if content is None:
-            continue
-        choice["lp"] = [c["logprob"] for c in content]
-        if with_top:
-            choice["top"] = [
-                [[t["token_id"], t["logprob"], t.get("rank")] for t in c.get("top_logprobs") or ()] for c in content
-            ]
+        choice.update(convert.compact_logprobs(choice, with_top))
+        choice.pop("logprobs", None)
     return answer
 
 
