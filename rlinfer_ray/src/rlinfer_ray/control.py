@@ -39,6 +39,7 @@ from rlinfer_core.weights import (
 )
 from rlinfer_ray.replica import is_replica_death
 from rlinfer_ray.replicas import Replica, State, death_message
+from rlinfer_ray.shipping import ShippedWeights
 
 if TYPE_CHECKING:
     from rlinfer_core.checksum import WeightChecksum, WeightVerification
@@ -221,8 +222,9 @@ class ControlPlane:
             shipped: Any = source
         else:
             members = self.replicas.alive()
-            # one copy in Ray's object store, read by every replica (and kept to re-sync restarts)
-            shipped = ray.put(host_copy(source)) if isinstance(source, NamedTensors | Buckets) else source
+            # one copy in Ray's object store, read by every replica (and kept to re-sync restarts),
+            # as raw bytes: a pickled tensor costs a copy in and one out per reader (shipping.py)
+            shipped = ray.put(ShippedWeights(source)) if isinstance(source, NamedTensors | Buckets) else source
             replay = shipped if isinstance(source, NamedTensors | Buckets | CheckpointDir) else None
         if not members:
             raise EngineDead(
@@ -367,18 +369,3 @@ class ControlPlane:
             if r.pid is not None:
                 out[f"replica{r.index}.actor"] = r.pid
         return out
-
-
-def host_copy(source: NamedTensors | Buckets) -> NamedTensors | Buckets:
-    """``source`` with its CUDA tensors copied to host memory (others as they are).
-
-    A tensor pickled on ``cuda:k`` unpickles only on a process that has a device ``k``, and each
-    replica sees its own GPUs only; the host copy is what Ray's object store would hold anyway.
-    """
-    if isinstance(source, NamedTensors):
-        if not any(t.is_cuda for _, t in source.tensors):
-            return source
-        return NamedTensors(tuple((name, t.detach().cpu()) for name, t in source.tensors))
-    if not any(b.data.is_cuda for b in source.buckets):
-        return source
-    return Buckets(tuple(attrs.evolve(b, data=b.data.cpu()) for b in source.buckets))
