@@ -125,7 +125,7 @@ def start_ray(args: argparse.Namespace) -> None:
         # replicas only when the trainer keeps GPU N for a broadcast)
         extra["num_gpus"] = args.replicas if args.broadcast else len(gpu_names())
     ray.init(
-        num_cpus=max(args.replicas, os.cpu_count() or 1),
+        num_cpus=max(int(args.replicas * args.cpus_per_replica + 0.999), os.cpu_count() or 1),
         include_dashboard=False,
         logging_level="WARNING",
         log_to_driver=False,
@@ -150,7 +150,11 @@ class Phase:
 
         if not self.replicas:
             return await AsyncEngine.open(self.args.backend, self.config, load_entry_point_plugins=False)
-        pool = PoolConfig(replicas=self.replicas, accelerator="gpu" if self.args.device == "cuda" else "cpu")
+        pool = PoolConfig(
+            replicas=self.replicas,
+            accelerator="gpu" if self.args.device == "cuda" else "cpu",
+            cpus_per_replica=self.args.cpus_per_replica,
+        )
         return await EnginePool.open(self.args.backend, self.config, pool=pool, load_entry_point_plugins=False)
 
     async def run(self, sets: tuple[list[Any], list[Any], Path], model: Path) -> dict[str, Any]:
@@ -374,6 +378,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=5, help="timed generate runs per side")
     parser.add_argument("--sync-runs", type=int, default=5, help="timed weight updates per transport")
     parser.add_argument("--weights-on", choices=["cuda", "cpu"], default="cuda", help="where the trainer's weights are")
+    parser.add_argument(
+        "--cpus-per-replica",
+        type=float,
+        default=None,
+        help="PoolConfig.cpus_per_replica (the replica's OMP threads; default: 8 on cuda, 1 on cpu)",
+    )
     parser.add_argument("--broadcast", action="store_true", help="also one NCCL broadcast group (N+1 GPUs)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.8)
     parser.add_argument("--max-model-len", type=int, default=2048, help="on cuda (cpu: the model's own)")
@@ -384,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.device == "cpu":
         args.weights_on = "cpu"
+    if args.cpus_per_replica is None:  # an update's host work in a replica runs on this many threads
+        args.cpus_per_replica = 8.0 if args.device == "cuda" else 1.0
     args.phases = (args.phases or f"pool{args.replicas},pool1,engine").split(",")
     result = asyncio.run(run(args))
     print(json.dumps(result["figures"], indent=2))
