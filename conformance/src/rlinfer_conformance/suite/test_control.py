@@ -146,8 +146,13 @@ def test_pause_abort(rlinfer_world: KitWorld) -> None:
 @pytest.mark.requires(Capability.PAUSE_WAIT)
 @pytest.mark.hooks("rlinfer_pause", "rlinfer_resume")
 def test_pause_wait(rlinfer_world: KitWorld) -> None:
-    requests = _long_requests(rlinfer_world)
-    future = _start(rlinfer_world, requests)
+    for attempt in range(INTERRUPT_TRIES):  # again while the batch finished before it was seen in flight
+        requests = _long_requests(rlinfer_world)
+        last = attempt == INTERRUPT_TRIES - 1
+        future = _start(rlinfer_world, requests) if last else _try_start(rlinfer_world, requests)
+        if future is not None:
+            break
+    assert future is not None
     try:
         rlinfer_world.engine.pause(PauseMode.WAIT)
         ids = {r.request_id for r in requests}
