@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import pickle
 from collections.abc import Iterator
 from typing import Any
@@ -10,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from rlinfer_core.transfer.buckets import pack, unpack_all
+from rlinfer_core.transfer.buckets import as_bytes, checksum, pack, unpack_all
 from rlinfer_core.weights import Buckets, NamedTensors
 from rlinfer_ray.shipping import ShippedWeights
 
@@ -31,7 +30,8 @@ def sample_tensors() -> NamedTensors:
 
 
 def digest(tensor: torch.Tensor) -> str:
-    return hashlib.sha256(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+    raw = as_bytes(tensor)
+    return checksum(raw, raw.numel())
 
 
 def assert_same(got: NamedTensors, want: NamedTensors) -> None:
@@ -84,14 +84,12 @@ def test_a_remote_reader_gets_the_named_tensors(local_ray: Any) -> None:
 
     @local_ray.remote(num_cpus=0)  # the session's pool may hold every CPU of the local Ray
     def read(value: Any) -> tuple[str, list[tuple[str, str, tuple[int, ...], str]]]:
-        import hashlib  # runs on a Ray worker, which cannot import this test module
+        # runs on a Ray worker, which can import rlinfer_core but not this test module
+        from rlinfer_core.transfer.buckets import as_bytes, checksum
 
-        import torch
-
-        def sha(t: torch.Tensor) -> str:
-            return hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
-
-        return type(value).__name__, [(n, str(t.dtype), tuple(t.shape), sha(t)) for n, t in value.tensors]
+        return type(value).__name__, [
+            (n, str(t.dtype), tuple(t.shape), checksum(as_bytes(t), as_bytes(t).numel())) for n, t in value.tensors
+        ]
 
     kind, seen = local_ray.get(read.remote(ref), timeout=120)
     assert kind == "NamedTensors"

@@ -23,6 +23,7 @@ from typing import Any
 
 import attrs
 
+from rlinfer_core.transfer.buckets import as_bytes, dtype_name, to_dtype
 from rlinfer_core.weights import Buckets, NamedTensors
 
 
@@ -44,10 +45,7 @@ class ShippedWeights:
 def _raw(tensor: Any) -> tuple[Any, str, tuple[int, ...]]:
     """(the tensor's bytes as a uint8 numpy array, its dtype's name, its shape); a CUDA tensor is
     copied to the host first (each replica sees its own GPUs only)."""
-    import torch
-
-    host = tensor.detach().cpu().contiguous()
-    return host.reshape(-1).view(torch.uint8).numpy(), str(host.dtype).removeprefix("torch."), tuple(host.shape)
+    return as_bytes(tensor).cpu().numpy(), dtype_name(tensor.dtype), tuple(tensor.shape)
 
 
 def _tensor(raw: tuple[Any, str, tuple[int, ...]]) -> Any:
@@ -57,7 +55,7 @@ def _tensor(raw: tuple[Any, str, tuple[int, ...]]) -> Any:
     with warnings.catch_warnings():  # the object store's arrays are read-only; torch warns about that
         warnings.simplefilter("ignore", UserWarning)
         flat = torch.from_numpy(data)
-    return flat.view(getattr(torch, dtype)).reshape(shape)
+    return flat.view(to_dtype(dtype)).reshape(shape)
 
 
 def _named_tensors(names: list[str], raws: list[tuple[Any, str, tuple[int, ...]]]) -> NamedTensors:

@@ -44,7 +44,8 @@ def checksum(data: torch.Tensor, nbytes: int) -> str:
     return hashlib.blake2b(flat.numpy().tobytes() if nbytes else b"", digest_size=16).hexdigest()
 
 
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat ``uint8`` tensor on its device (a view where it is contiguous)."""
     import torch
 
     flat = tensor.detach().contiguous().reshape(-1)
@@ -89,7 +90,7 @@ def pack(
             entries, sources, slots = [], [], []
             offset = 0
             for name, tensor in chunk:
-                raw = _as_bytes(tensor)
+                raw = as_bytes(tensor)
                 sources.append(raw)
                 slots.append(data[offset : offset + raw.numel()])
                 entries.append(ManifestEntry(name, dtype_name(dtype), tuple(tensor.shape), offset, raw.numel()))
