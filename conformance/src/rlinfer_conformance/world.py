@@ -260,7 +260,7 @@ class KitWorld:
 
             path = self.tmp / f"ckpt-{key}"
             if not path.exists():
-                save_dir(tensors, path)
+                save_dir(self.engine.checkpoint_names(tensors), path)
             return CheckpointDir(str(path))
         raise ValueError(f"no local source for {transport}")
 
@@ -301,7 +301,7 @@ class KitWorld:
         sender = WeightBroadcaster(group)
         try:
             joined.result(timeout=OP_TIMEOUT_S)
-            tensors = self.oracle.named_parameters(key)
+            tensors = self.engine.checkpoint_names(self.oracle.named_parameters(key))
             pending = self.submit(self.engine.update_weights, sender.source(tensors))
             sender.send(tensors)
             return pending.result(timeout=OP_TIMEOUT_S)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, assert_never
@@ -13,6 +14,7 @@ from rlinfer_core.checksum import WeightChecksum, WeightVerification
 from rlinfer_core.engine_base import EngineBase
 from rlinfer_core.errors import EngineDead, EngineTimeout, InvalidRequest, WeightsNotLoaded, WeightUpdateError
 from rlinfer_core.preflight import as_memory_tags, as_weight_update, transport_name, update_target
+from rlinfer_core.trainer_names import NameMap
 from rlinfer_core.types import Capability, GenerateRequest, MemoryTag
 from rlinfer_core.weights import (
     BroadcastGroup,
@@ -26,8 +28,8 @@ from rlinfer_core.weights import (
 )
 
 DISCARDED = (
-    "the weights were released with discard_weights=True and hold no valid values; load a full "
-    "update_weights (every name of weight_specs) before generating"
+    "the engine holds no valid weights (released with discard_weights=True, or started with "
+    "load_format='dummy'); load a full update_weights (every name of weight_specs) before generating"
 )
 
 
@@ -51,7 +53,8 @@ def source_names(source: WeightSource) -> list[str]:
 class EngineWeights(EngineBase):
     """Weight sync, integrity checks, prefix cache, memory release and bench baselines."""
 
-    #: set by release_memory(discard_weights=True), cleared by the next (full) weight update
+    #: set by release_memory(discard_weights=True) and by a start with load_format="dummy" (see
+    #: AsyncEngine.open), cleared by the next (full) weight update
     _discarded: bool = False
 
     # --- weight sync ---------------------------------------------------------------------------
@@ -82,6 +85,7 @@ class EngineWeights(EngineBase):
         else:
             update = as_weight_update(update, version)
             transport = transport_name(update.source)
+        update = attrs.evolve(update, source=self._under_checkpoint_names(update.source))
         async with self._weight_lock:
             try:
                 target = update_target(update, self._version, self.capabilities, self._released)
@@ -119,6 +123,46 @@ class EngineWeights(EngineBase):
         )
         return target
 
+    @functools.cached_property
+    def _trainer_names(self) -> NameMap:
+        from rlinfer_core.trainer_names import name_map
+
+        return name_map(self.weight_specs)
+
+    def _under_checkpoint_names(self, source: WeightSource) -> WeightSource:
+        """A trainer's tensors under the checkpoint's names (transformers >= 5 fuses each MoE
+        layer's experts into one tensor per projection; see :mod:`rlinfer_core.trainer_names`)."""
+        names = self._trainer_names
+        if not names:
+            return source
+        match source:
+            case NamedTensors():
+                return NamedTensors(tuple(names.to_checkpoint(source.tensors)))
+            case Buckets():
+                return Buckets(
+                    tuple(attrs.evolve(b, manifest=names.manifest_to_checkpoint(b.manifest)) for b in source.buckets)
+                )
+            case CheckpointDir() | BroadcastSource():
+                trainer_only = [n for n in source_names(source) if n in names.fused or n in names.renamed]
+                if trainer_only:
+                    raise WeightUpdateError(
+                        f"{transport_name(source)} updates carry checkpoint names; these are a trainer's "
+                        "(transformers >= 5) names: convert them with engine.checkpoint_names(tensors) "
+                        "(or save with save_pretrained) first",
+                        tuple(f"{n}: trainer name" for n in trainer_only),
+                    )
+                return source
+            case _:
+                assert_never(source)
+
+    def checkpoint_names(self, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        """``tensors`` under the names of :attr:`weight_specs`: a transformers >= 5 model's fused
+        experts become one view per expert and projection (nothing is copied). Named tensors and
+        buckets are converted by :meth:`update_weights` itself; a checkpoint directory or a
+        broadcast must carry these names."""
+        pairs = tensors.items() if isinstance(tensors, Mapping) else tensors
+        return self._trainer_names.to_checkpoint(pairs)
+
     def _check_refill(self, source: WeightSource, base: int | None) -> None:
         """Refuse a delta for another base version, and anything but a full update while the
         weights are discarded."""
@@ -131,7 +175,8 @@ class EngineWeights(EngineBase):
             missing = sorted(self._uncovered(source_names(source)))
             if missing:
                 raise WeightUpdateError(
-                    f"the weights were released with discard_weights=True: only a full update refills them, "
+                    f"the engine holds no valid weights (discard_weights=True or load_format='dummy'): only a "
+                    f"full update fills them, "
                     f"and this one lacks {len(missing)} of the {len(self.weight_specs)} tensors of weight_specs",
                     tuple(f"{name}: missing" for name in missing),
                 )
@@ -161,8 +206,9 @@ class EngineWeights(EngineBase):
 
     @property
     def broadcast_ranks(self) -> int:
-        """How many ranks of a broadcast group this engine takes (one per tensor-parallel worker)."""
-        return self.config.tensor_parallel_size
+        """How many ranks of a broadcast group this engine takes: one per engine rank
+        (``EngineConfig.world_size``: tensor x data x pipeline parallel sizes)."""
+        return self.config.world_size
 
     async def init_weight_broadcast(self, group: BroadcastGroup) -> None:
         """Have the engine join the trainer's broadcast group (trainer is rank 0).
@@ -203,7 +249,7 @@ class EngineWeights(EngineBase):
 
         served = await self.weights_checksum()
         tied = self.model_info.tied_weights if self.model_info is not None else {}
-        return verify(served, tensors, tied)
+        return verify(served, self.checkpoint_names(tensors), tied)
 
     def engine_processes(self) -> Mapping[str, int]:
         """The engine's child processes now running, ``{role: pid}``."""

@@ -163,6 +163,10 @@ class Engine:
         """See :meth:`AsyncEngine.verify_weights`."""
         return self._run(self.async_engine.verify_weights(tensors))
 
+    def checkpoint_names(self, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        """See :meth:`AsyncEngine.checkpoint_names`."""
+        return self.async_engine.checkpoint_names(tensors)
+
     def engine_processes(self) -> Mapping[str, int]:
         """See :meth:`AsyncEngine.engine_processes`."""
         return self.async_engine.engine_processes()

@@ -10,7 +10,15 @@ Architectures (``TinyModelSpec.architecture``), chosen for the layouts that trip
 - ``llama``: untied output head, no biases;
 - ``qwen2``: q/k/v biases and the output head tied to the embedding (Qwen2.5-0.5B..3B,
   Llama-3.2-1B/3B and Gemma tie theirs);
-- ``qwen3``: per-head q/k RMSNorms, untied head.
+- ``qwen3``: per-head q/k RMSNorms, untied head;
+- ``qwen3_moe``: Qwen3-MoE (Qwen3-30B-A3B's layout): 8 experts, top-2 with renormalised
+  weights, per-head q/k norms - experts are fused into one tensor per layer by both engines;
+- ``qwen2_moe``: Qwen2-MoE: top-2 of 8 experts plus a shared expert behind a sigmoid gate,
+  q/k/v biases;
+- ``mixtral``: Mixtral's ``block_sparse_moe`` (``w1``/``w2``/``w3`` expert names), untied head;
+- ``gemma``: a tied and scaled embedding, RMSNorm as ``1 + weight``, GeGLU;
+- ``mistral``: Mistral (Llama's layout under another name, sliding window off);
+- ``phi3``: q/k/v and gate/up fused *in the checkpoint* (``qkv_proj``, ``gate_up_proj``).
 
 Biases and norm weights are randomised too (transformers initialises them to 0 and 1), so a
 loader that skips them changes the outputs.
@@ -64,15 +72,24 @@ class TinyModelSpec:
     max_position_embeddings: int = 1024
     init_std: float = 0.02
     dtype: str = "float32"
-    architecture: str = attrs.field(default="llama", validator=attrs.validators.in_(("llama", "qwen2", "qwen3")))
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    architecture: str = attrs.field(default="llama")
+
+    @architecture.validator
+    def _known(self, _attribute: attrs.Attribute[str], value: str) -> None:
+        if value not in ARCHITECTURES:
+            raise ValueError(f"unknown architecture {value!r}; known: {list(ARCHITECTURES)}")
 
 
 #: the architectures :func:`make_tiny_model` can write
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "gemma", "mistral", "phi3")
+#: those whose feed-forward layers are mixtures of experts
+MOE_ARCHITECTURES = frozenset({"qwen3_moe", "qwen2_moe", "mixtral"})
 
 
 def _config(spec: TinyModelSpec, tokenizer: object) -> object:
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    import transformers
 
     common = dict(
         vocab_size=spec.vocab_size,
@@ -89,14 +106,56 @@ def _config(spec: TinyModelSpec, tokenizer: object) -> object:
         pad_token_id=tokenizer.pad_token_id,  # type: ignore[attr-defined]
         torch_dtype=spec.dtype,
     )
-    if spec.architecture == "qwen2":
-        return Qwen2Config(tie_word_embeddings=True, **common)
-    if spec.architecture == "qwen3":
-        return Qwen3Config(tie_word_embeddings=False, attention_bias=False, **common)
-    return LlamaConfig(tie_word_embeddings=False, **common)
+    experts = dict(num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok)
+    moe_size = spec.intermediate_size // 2
+    match spec.architecture:
+        case "qwen2":
+            return transformers.Qwen2Config(tie_word_embeddings=True, **common)
+        case "qwen3":
+            return transformers.Qwen3Config(tie_word_embeddings=False, attention_bias=False, **common)
+        case "qwen3_moe":
+            return transformers.Qwen3MoeConfig(
+                tie_word_embeddings=False,
+                attention_bias=False,
+                moe_intermediate_size=moe_size,
+                norm_topk_prob=True,
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+                **experts,
+                **common,
+            )
+        case "qwen2_moe":
+            return transformers.Qwen2MoeConfig(
+                tie_word_embeddings=False,
+                moe_intermediate_size=moe_size,
+                shared_expert_intermediate_size=spec.intermediate_size,
+                norm_topk_prob=False,
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+                **experts,
+                **common,
+            )
+        case "mixtral":
+            return transformers.MixtralConfig(
+                tie_word_embeddings=False,
+                num_local_experts=spec.num_experts,
+                num_experts_per_tok=spec.num_experts_per_tok,
+                sliding_window=None,
+                **common,
+            )
+        case "gemma":
+            return transformers.GemmaConfig(tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh", **common)
+        case "mistral":
+            return transformers.MistralConfig(tie_word_embeddings=False, sliding_window=None, **common)
+        case "phi3":
+            return transformers.Phi3Config(tie_word_embeddings=False, **common)
+        case _:
+            return transformers.LlamaConfig(tie_word_embeddings=False, **common)
 
 
 def _randomise_biases_and_norms(model: object, std: float) -> None:
+    """Biases and norm weights away from their 0 and 1 starts; routers scaled up so that their
+    top-k choice is decisive (near-ties between experts would flip on rounding noise)."""
     import torch
 
     with torch.no_grad():
@@ -105,6 +164,8 @@ def _randomise_biases_and_norms(model: object, std: float) -> None:
                 param.normal_(0.0, std)
             elif "norm" in name:
                 param.normal_(1.0, 0.1)
+            elif name.endswith((".mlp.gate.weight", ".block_sparse_moe.gate.weight")):
+                param.normal_(0.0, 0.5)
 
 
 def _train_tokenizer(vocab_size: int) -> object:

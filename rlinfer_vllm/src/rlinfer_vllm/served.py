@@ -11,7 +11,8 @@ layer's own ``quant_method.apply`` on an identity matrix returns ``W^T`` exactly
 one weight times 1.0 plus zeros, in the layer's dtype). A tied output head that vLLM failed to
 repack after an update is therefore reported with the values it really multiplies by.
 
-Fused parameters are sliced back by the layer's ``output_sizes`` (``qkv_proj`` into
+Experts fused into one tensor per layer are read back by :mod:`rlinfer_vllm.experts`. Fused
+parameters are sliced back by the layer's ``output_sizes`` (``qkv_proj`` into
 ``q_proj``/``k_proj``/``v_proj``, ``gate_up_proj`` into ``gate_proj``/``up_proj``) following the
 model's ``packed_modules_mapping``; vocabulary padding is cut to the checkpoint's shape.
 """
@@ -79,6 +80,8 @@ def _served_weight(module: Any, dtype: torch.dtype) -> torch.Tensor:
     if hasattr(module, "cpu_linear") and _gemm_layer(module):
         if hasattr(module, "output_size_per_partition"):  # LinearBase
             rows, cols = int(module.output_size_per_partition), int(module.input_size_per_partition)
+        elif hasattr(module, "output_size"):  # a linear layer that is never sharded (MoE routers)
+            rows, cols = int(module.output_size), int(module.input_size)
         else:  # ParallelLMHead
             rows, cols = int(module.num_embeddings_per_partition), int(module.embedding_dim)
         return _probe(module, rows, cols, dtype)
@@ -98,10 +101,17 @@ def served_tensors(model: Any, names: Mapping[str, tuple[int, ...]], dtype: torc
     A name that maps onto no module of the model, or whose served tensor has another shape, is
     left out (and so reported missing by the comparison, never silently equal).
     """
+    from rlinfer_vllm.experts import served_experts
+
     modules = dict(model.named_modules())
     fused = _fused_parts(model)
+    experts = served_experts(model) if any(".experts." in name for name in names) else {}
     out: dict[str, torch.Tensor] = {}
     for name, shape in names.items():
+        if name in experts:
+            if tuple(experts[name].shape) == tuple(shape):
+                out[name] = experts[name]
+            continue
         path, _, attr = name.rpartition(".")
         part = None
         module = modules.get(path)

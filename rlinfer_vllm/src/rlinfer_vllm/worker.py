@@ -17,7 +17,7 @@ parameter slices (verified architectures, no TP/PP/LoRA), an update whose every 
 slice is copied with one batched copy instead (:mod:`rlinfer_vllm.fast_load`;
 ``RLINFER_VLLM_FAST_LOAD=0`` turns that off).
 
-*Reload* (everything else: CPU, quantized models, MLA): vLLM's layer-wise in-place reload
+*Reload* (everything else: CPU, quantized models, MLA, expert kernels with a layout of their own): vLLM's layer-wise in-place reload
 (``Worker.reload_weights``) re-runs ``load_weights`` and the kernel processing (packing,
 quantization, MLA's derived matrices). That reload processes whole layers: a layer whose fused
 parameters (e.g. ``qkv_proj`` from q/k/v) are only partly given would be rebuilt from
@@ -101,7 +101,10 @@ class RLInferWorkerExtension:
             return False
         from vllm.model_executor.layers.attention import MLAAttention
 
-        return not any(isinstance(m, MLAAttention) for m in self.model_runner.get_model().modules())
+        from rlinfer_vllm.experts import in_place_loadable
+
+        model = self.model_runner.get_model()
+        return in_place_loadable(model) and not any(isinstance(m, MLAAttention) for m in model.modules())
 
     def _rlinfer_fast_loader(self) -> FastLoader | None:
         """The batched loader for this in-place engine, or None where it can never apply."""
@@ -391,7 +394,8 @@ class RLInferWorkerExtension:
         self._rlinfer_after_reload()
 
     def _rlinfer_after_reload(self) -> None:
-        """Redo the kernel processing of tied modules after vLLM's layer-wise reload.
+        """Redo the kernel processing that vLLM's layer-wise reload skips: tied modules', and the
+        CPU expert kernels' repacking (see :mod:`rlinfer_vllm.experts`).
 
         The reload loads a tied tensor (``model.embed_tokens.weight``) through one module only; the
         module tied to it (``lm_head``) loads nothing, so vLLM puts its old kernel tensors back and
@@ -399,9 +403,11 @@ class RLInferWorkerExtension:
         values, but on CPU the GEMM multiplies by a packed copy made at start: the served head kept
         the old weights. Re-processing repacks it from the shared tensor.
         """
+        from rlinfer_vllm.experts import redo_expert_packing
         from rlinfer_vllm.served import reprocess
 
         reprocess(self._rlinfer_tied)
+        redo_expert_packing(self.model_runner.get_model())
 
     def _rlinfer_sync_shadow(self, shadow: dict[str, torch.Tensor]) -> None:
         """After a raw vLLM reload from disk, refresh the shadow from that directory."""

@@ -42,12 +42,18 @@ def save_dir(
     out.mkdir(parents=True, exist_ok=True)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
+    storages: set[int] = set()
     for name, tensor in tensors:
         nbytes = tensor.numel() * tensor.element_size()
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append({})
             size = 0
-        shards[-1][name] = tensor.detach().contiguous().cpu()
+        data = tensor.detach().contiguous().cpu()
+        storage = data.untyped_storage().data_ptr()
+        if storage in storages:  # safetensors refuses tensors sharing memory (views of one tensor)
+            data = data.clone()
+        storages.add(storage)
+        shards[-1][name] = data
         size += nbytes
     weight_map = {}
     for i, shard in enumerate(shards, start=1):
