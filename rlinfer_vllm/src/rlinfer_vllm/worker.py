@@ -17,9 +17,9 @@ parameter slices (verified architectures, no TP/PP/LoRA), an update whose every 
 slice is copied with one batched copy instead (:mod:`rlinfer_vllm.fast_load`;
 ``RLINFER_VLLM_FAST_LOAD=0`` turns that off).
 
-*Reload* (everything else: CPU, quantized models, MLA, expert kernels with a layout of their own): vLLM's layer-wise in-place reload
-(``Worker.reload_weights``) re-runs ``load_weights`` and the kernel processing (packing,
-quantization, MLA's derived matrices). That reload processes whole layers: a layer whose fused
+*Reload* (everything else: CPU, quantized models, MLA, expert kernels with a layout of their
+own): vLLM's layer-wise in-place reload (``Worker.reload_weights``) re-runs ``load_weights`` and
+the kernel processing (packing, quantization, MLA's derived matrices). That reload processes whole layers: a layer whose fused
 parameters (e.g. ``qkv_proj`` from q/k/v) are only partly given would be rebuilt from
 uninitialised memory, and vLLM's packed CPU weights cannot be read back. So the extension keeps a
 host copy of the checkpoint (HF names; checkpoint dtypes under ``dtype="auto"``, else the served
