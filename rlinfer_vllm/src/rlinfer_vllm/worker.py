@@ -19,9 +19,9 @@ slice is copied with one batched copy instead (:mod:`rlinfer_vllm.fast_load`;
 
 *Reload* (everything else: CPU, quantized models, MLA, expert kernels with a layout of their
 own): vLLM's layer-wise in-place reload (``Worker.reload_weights``) re-runs ``load_weights`` and
-the kernel processing (packing, quantization, MLA's derived matrices). That reload processes whole layers: a layer whose fused
-parameters (e.g. ``qkv_proj`` from q/k/v) are only partly given would be rebuilt from
-uninitialised memory, and vLLM's packed CPU weights cannot be read back. So the extension keeps a
+the kernel processing (packing, quantization, MLA's derived matrices). That reload processes
+whole layers: a layer whose fused parameters (e.g. ``qkv_proj`` from q/k/v) are only partly given
+would be rebuilt from uninitialised memory, and vLLM's packed CPU weights cannot be read back. So the extension keeps a
 host copy of the checkpoint (HF names; checkpoint dtypes under ``dtype="auto"``, else the served
 dtype) - the *shadow* - and:
 
