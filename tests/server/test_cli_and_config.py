@@ -67,7 +67,7 @@ def test_the_core_does_not_import_the_kit_or_the_server() -> None:
         ("rollout:\n  max_model_len: '512'\n", "max_model_len", "an integer"),
         ("rollout:\n  enforce_eager: 'yes'\n", "enforce_eager", "true or false"),
         ("rollout:\n  gpu_memory_utilization: 1.5\n", "gpu_memory_utilization", "<= 1.0"),
-        ("trainer: {}\n", "trainer", "allowed sections"),
+        ("nosuch: {}\n", "nosuch", "allowed sections"),
         (
             "rollout:\n  tensor_parallel_size: 1\n  tensor_model_parallel_size: 1\n",
             "tensor_model_parallel_size",

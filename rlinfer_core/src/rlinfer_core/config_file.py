@@ -1,23 +1,32 @@
 """Engine settings from a YAML or TOML file: a ``rollout:`` section mapping onto EngineConfig.
 
-The layout is the one verl users already write for their rollout engine::
+The layout is the one verl users already write for their rollout engine, and verl's own config
+files are read as they are::
 
-    rollout:
+    model_path: /models/qwen2.5-0.5b    # verl's minimal layout (or model.path, or actor_rollout_ref.model.path)
+    rollout:                            # or actor_rollout_ref.rollout (verl's trainer configs)
       name: vllm                        # the backend (``--backend`` overrides it)
-      model: /models/qwen2.5-0.5b
+      mode: async                       # verl's async/sync: no effect (rlinfer's own is ``serving``)
       dtype: bfloat16
       tensor_model_parallel_size: 1     # verl's name for tensor_parallel_size
       gpu_memory_utilization: 0.5
-      max_model_len: 4096
+      prompt_length: 512                # max_prompt_tokens: longer prompts are refused
+      response_length: 512              # max_response_tokens and default_sampling.max_tokens
+      temperature: 1.0                  # default_sampling (also top_k, top_p, n, do_sample, ...)
+      val_kwargs: {temperature: 0}      # validation_sampling
       free_cache_engine: true           # verl's name for enable_memory_release
       engine_kwargs:                    # flat, or verl's per-engine form {vllm: {...}, sglang: {...}}
         swap_space: 4
 
-Keys are :class:`~rlinfer_core.types.EngineConfig` field names plus the verl aliases in
-:data:`ALIASES`. Values are structured with cattrs under strict scalar rules (no ``"3"`` for an
-int, no ``"yes"`` for a bool); an unknown key or a bad value raises
-:class:`~rlinfer_core.errors.InvalidRequest` naming the key, the file and the allowed values.
-Command-line values override the file (:func:`engine_config`).
+Keys are :class:`~rlinfer_core.types.EngineConfig` field names (``mode`` excepted: in a file it is
+verl's) plus every key of verl's rollout config (:mod:`rlinfer_core.verl_config`: mapped, or
+accepted with the reason it has no effect, logged). verl's other top-level sections (``trainer``,
+``data``, ``algorithm``...) are ignored with a logged note; ``data.max_prompt_length`` /
+``max_response_length`` give the lengths when the section has none, as in verl, and verl's
+``${oc.select:...}`` interpolations are resolved. Values are structured with cattrs under strict
+scalar rules (no ``"3"`` for an int, no ``"yes"`` for a bool); an unknown key or a bad value
+raises :class:`~rlinfer_core.errors.InvalidRequest` naming the key, the file and the allowed
+values. Command-line values override the file (:func:`engine_config`).
 
 A file may also hold a ``pool:`` section (rlinfer-ray's PoolConfig: ``replicas``, ``policy``, ...).
 The core only checks that it is a mapping and hands it on untouched (``RolloutSettings.pool``);
@@ -27,6 +36,7 @@ The core only checks that it is a mapping and hands it on untouched (``RolloutSe
 from __future__ import annotations
 
 import enum
+import logging
 import typing
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -35,8 +45,11 @@ from typing import Any, TypeVar
 import attrs
 import cattrs
 
+from rlinfer_core import verl_config as verl
 from rlinfer_core.errors import InvalidRequest
-from rlinfer_core.types import EngineConfig
+from rlinfer_core.types import EngineConfig, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
@@ -46,12 +59,13 @@ POOL_SECTION = "pool"
 #: the sections a config file may hold
 SECTIONS = (SECTION, POOL_SECTION)
 #: verl's rollout key -> EngineConfig field
-ALIASES: Mapping[str, str] = {
-    "tensor_model_parallel_size": "tensor_parallel_size",
-    "free_cache_engine": "enable_memory_release",
-}
+ALIASES: Mapping[str, str] = verl.ALIASES
 #: rollout keys that are not EngineConfig fields
 BACKEND_KEY = "name"
+#: EngineConfig fields a file may not set under their own name (``mode`` is verl's key there)
+NOT_IN_FILES = frozenset({"mode"})
+#: EngineConfig fields that hold SamplingParams (a mapping of its fields in a file)
+SAMPLING_FIELDS = ("default_sampling", "validation_sampling")
 _PLACEHOLDER_MODEL = "<model from the command line>"
 
 
@@ -68,6 +82,8 @@ class RolloutSettings:
     backend: str | None
     fields: Mapping[str, Any]
     pool: Mapping[str, Any] | None = None
+    #: what was read but has no effect (verl's other sections, its no-effect keys), one line each
+    notes: tuple[str, ...] = ()
 
 
 def _strict(kind: type, what: str) -> Any:
@@ -88,6 +104,8 @@ def _converter() -> cattrs.Converter:
     converter.register_structure_hook(float, _strict(float, "a number"))
     converter.register_structure_hook(bool, _strict(bool, "true or false"))
     converter.register_structure_hook(str, _strict(str, "a string"))
+    # a mapping of SamplingParams fields, turned into one by EngineConfig's converter
+    converter.register_structure_hook(SamplingParams, lambda value, _type: value)
     return converter
 
 
@@ -96,8 +114,8 @@ _FIELDS = {f.name: f for f in attrs.fields(EngineConfig)}
 
 
 def allowed_keys() -> list[str]:
-    """Every key the ``rollout:`` section accepts."""
-    return sorted([*_FIELDS, *ALIASES, BACKEND_KEY])
+    """Every key the ``rollout:`` section accepts (EngineConfig fields and verl's rollout keys)."""
+    return sorted({*_FIELDS, *verl.VERL_ROLLOUT_KEYS, BACKEND_KEY} - (NOT_IN_FILES - verl.VERL_ROLLOUT_KEYS))
 
 
 def _allowed_values(cls: type, field: str) -> str:
@@ -181,11 +199,129 @@ def _engine_kwargs(value: Any, backend: str | None, where: str) -> Any:
         raise InvalidRequest("engine_kwargs", f"must be a mapping (in {where}), got {value!r}")
     if backend is not None and backend in value and all(isinstance(v, Mapping) for v in value.values()):
         return dict(value[backend])
+    if value and all(k in _ENGINE_NAMES for k in value) and all(isinstance(v, Mapping | None) for v in value.values()):
+        return {}  # verl's per-engine form without this backend's entry (e.g. every entry empty)
     return dict(value)
 
 
+#: the engine names of verl's per-engine engine_kwargs
+_ENGINE_NAMES = frozenset({"vllm", "sglang", "trtllm", "hf"})
+
+
+def _model_of(data: Mapping[str, Any], where: str) -> str | None:
+    """The model verl's layouts name outside the rollout section: ``model_path``, ``model.path``
+    or ``actor_rollout_ref.model.path`` (two that differ: InvalidRequest)."""
+    found: dict[str, Any] = {}
+    for path in ("model_path", "model.path", "actor_rollout_ref.model.path"):
+        ok, value = verl._lookup(data, path)
+        if ok and value is not None and value != verl.MISSING:
+            value = verl.resolve(value, data, data, path)
+            if not (isinstance(value, str) and value):
+                raise InvalidRequest(path, f"must be a model directory or name (in {where}), got {value!r}")
+            found[path] = value
+    if len(set(found.values())) > 1:
+        raise InvalidRequest(next(iter(found)), f"the file names two models (in {where}): {found}")
+    if not found:
+        return None
+    model = next(iter(found.values()))
+    return str(Path(model).expanduser()) if model.startswith("~") else model
+
+
+def _section_of(data: Mapping[str, Any], file: Path) -> tuple[Mapping[str, Any], str]:
+    """The rollout section (top-level ``rollout:``, else verl's ``actor_rollout_ref.rollout``)
+    and its name in messages."""
+    if SECTION in data:
+        section, name = data.get(SECTION) or {}, SECTION
+    else:
+        found, nested = verl._lookup(data, "actor_rollout_ref.rollout")
+        section, name = (nested or {}, "actor_rollout_ref.rollout") if found else ({}, SECTION)
+    if not isinstance(section, Mapping):
+        raise InvalidRequest(name, f"must be a mapping in {file}, got {section!r}")
+    return section, name
+
+
+def _verl_lengths(data: Mapping[str, Any], section: Mapping[str, Any]) -> dict[str, Any]:
+    """verl's defaults of prompt_length / response_length: data.max_prompt_length /
+    data.max_response_length, when the section has none."""
+    out: dict[str, Any] = {}
+    for key, source in (("prompt_length", "data.max_prompt_length"), ("response_length", "data.max_response_length")):
+        found, value = verl._lookup(data, source)
+        if key not in section and found and value is not None:
+            out[key] = value
+    return out
+
+
+def _translate(
+    section: Mapping[str, Any], data: Mapping[str, Any], backend: str | None, where: str
+) -> tuple[dict[str, Any], list[str]]:
+    """The rollout section's keys as EngineConfig fields, and the keys accepted without effect."""
+    fields: dict[str, Any] = {}
+    no_effect: list[str] = []
+    sampling: dict[str, Any] = {}
+    keys = {**_verl_lengths(data, section), **section}
+    allowed = allowed_keys()
+
+    def put(name: str, key: str, value: Any) -> None:
+        if name in fields:
+            raise InvalidRequest(key, f"given twice in {where} (as {name!r} and its verl alias)")
+        fields[name] = value
+
+    for raw_key, raw_value in keys.items():
+        key = str(raw_key)
+        if key == BACKEND_KEY:
+            continue
+        if key not in allowed:
+            raise InvalidRequest(key, f"unknown key in {where}; allowed keys: {allowed}")
+        value = verl.resolve(raw_value, data, section, key)
+        if value == verl.MISSING:
+            continue
+        if key in verl.NO_EFFECT:
+            verl.check_only_values(key, value)
+            if key == "enable_sleep_mode" and value is False:
+                fields["_no_sleep"] = True
+            no_effect.append(key)
+        elif key in verl.SAMPLING_KEYS:
+            if value is not None:
+                sampling[key] = value
+        elif key == verl.VALIDATION_SECTION:
+            if not isinstance(value, Mapping):
+                raise InvalidRequest(key, f"must be a mapping (in {where}), got {value!r}")
+            unknown = sorted(set(value) - {*verl.VALIDATION_KEYS, "_target_"})
+            if unknown:
+                raise InvalidRequest(
+                    f"{key}.{unknown[0]}", f"unknown key in {where}; allowed keys: {sorted(verl.VALIDATION_KEYS)}"
+                )
+            resolved = {k: verl.resolve(v, data, section, f"{key}.{k}") for k, v in value.items()}
+            put("validation_sampling", key, verl.sampling_fields(resolved, verl.VALIDATION_KEYS))
+        elif key == "load_format":
+            put("load_format", key, verl.load_format(value))
+        elif key == "engine_kwargs":
+            put("engine_kwargs", key, _engine_kwargs(value, backend, where))
+        elif key in SAMPLING_FIELDS:
+            if not isinstance(value, Mapping):
+                raise InvalidRequest(key, f"must be a mapping of SamplingParams fields (in {where}), got {value!r}")
+            put(key, key, dict(value))
+        else:
+            put(ALIASES.get(key, key), key, value)
+    sampling = verl.sampling_fields(sampling, verl.SAMPLING_KEYS)
+    if "max_response_tokens" in fields and "max_tokens" not in sampling:
+        sampling["max_tokens"] = fields["max_response_tokens"]  # verl: response_length is the default length
+    if sampling:
+        given = dict(fields.get("default_sampling") or {})
+        clash = sorted(set(given) & set(sampling))
+        if clash:
+            raise InvalidRequest(clash[0], f"given twice in {where} (in default_sampling and as a verl key)")
+        fields["default_sampling"] = {**sampling, **given}
+    if fields.pop("_no_sleep", False):
+        fields["enable_memory_release"] = False  # verl: no sleep mode, nothing to free
+    validation = fields.get("validation_sampling")
+    if isinstance(validation, dict) and "max_response_tokens" in fields:
+        validation.setdefault("max_tokens", fields["max_response_tokens"])
+    return fields, no_effect
+
+
 def read_config_file(path: str | Path) -> RolloutSettings:
-    """Read and check a config file's ``rollout:`` section (see the module docstring)."""
+    """Read and check a config file's rollout section (see the module docstring)."""
     file = Path(path)
     if not file.is_file():
         raise InvalidRequest("config", f"no such file: {file}")
@@ -194,31 +330,47 @@ def read_config_file(path: str | Path) -> RolloutSettings:
         data = {}
     if not isinstance(data, Mapping):
         raise InvalidRequest("config", f"{file} must hold a mapping with a {SECTION!r} section")
-    extra = sorted(set(data) - set(SECTIONS))
+    extra = sorted(set(data) - set(SECTIONS) - verl.VERL_TOP_LEVEL)
     if extra:
-        raise InvalidRequest(str(extra[0]), f"unknown section in {file}; allowed sections: {list(SECTIONS)}")
-    section = data.get(SECTION) or {}
-    where = f"{file} [{SECTION}]"
-    if not isinstance(section, Mapping):
-        raise InvalidRequest(SECTION, f"must be a mapping in {file}, got {section!r}")
-    backend = section.get(BACKEND_KEY)
+        allowed = sorted({*SECTIONS, *verl.VERL_TOP_LEVEL})
+        raise InvalidRequest(str(extra[0]), f"unknown section in {file}; allowed sections: {allowed}")
+    section, name = _section_of(data, file)
+    where = f"{file} [{name}]"
+    backend = verl.resolve(section.get(BACKEND_KEY), data, section, BACKEND_KEY)
+    if backend == verl.MISSING:
+        backend = None
     if backend is not None and not (isinstance(backend, str) and backend):
         raise InvalidRequest(BACKEND_KEY, f"must be a backend name (in {where}), got {backend!r}")
-    fields: dict[str, Any] = {}
-    for key, value in section.items():
-        if key == BACKEND_KEY:
-            continue
-        name = ALIASES.get(str(key), str(key))
-        if name in fields:
-            raise InvalidRequest(str(key), f"given twice in {where} (as {name!r} and its verl alias)")
-        if name == "engine_kwargs":
-            value = _engine_kwargs(value, backend, where)
-        fields[name] = value
+    fields, no_effect = _translate(section, data, backend, where)
+    model = _model_of(data, str(file))
+    if model is not None:
+        if "model" in fields and fields["model"] != model:
+            raise InvalidRequest("model", f"the file names two models ({file}): {fields['model']!r} and {model!r}")
+        fields.setdefault("model", model)
     structure({"model": _PLACEHOLDER_MODEL, **fields}, where)  # validate now, with the file's name in errors
     pool = data.get(POOL_SECTION)
     if pool is not None and not isinstance(pool, Mapping):
         raise InvalidRequest(POOL_SECTION, f"must be a mapping in {file}, got {pool!r}")
-    return RolloutSettings(path=str(file), backend=backend, fields=fields, pool=pool)
+    notes = _notes(data, name, no_effect, file)
+    for note in notes:
+        logger.info("%s", note)
+    return RolloutSettings(path=str(file), backend=backend, fields=fields, pool=pool, notes=notes)
+
+
+def _notes(data: Mapping[str, Any], section: str, no_effect: list[str], file: Path) -> tuple[str, ...]:
+    ignored = sorted(set(data) & verl.VERL_TOP_LEVEL - {"model_path"})
+    notes = []
+    if section != SECTION and "actor_rollout_ref" in ignored:
+        ignored.remove("actor_rollout_ref")
+        notes.append(
+            f"{file}: the rollout settings are verl's actor_rollout_ref.rollout; "
+            "the rest of actor_rollout_ref is ignored"
+        )
+    if ignored:
+        notes.append(f"{file}: verl's sections {ignored} are for verl's trainer; rlinfer ignores them")
+    for key in no_effect:
+        notes.append(f"{file}: {section}.{key} has no effect here: {verl.NO_EFFECT[key]}")
+    return tuple(notes)
 
 
 def engine_config(
@@ -227,18 +379,20 @@ def engine_config(
     defaults: Mapping[str, Any] | None = None,
 ) -> EngineConfig:
     """``defaults``, then the file's ``settings``, then ``overrides`` (command-line flags; None
-    values are ignored), structured into one EngineConfig. ``engine_kwargs`` mappings merge."""
+    values are ignored), structured into one EngineConfig. ``engine_kwargs`` mappings merge, and
+    so do ``default_sampling`` / ``validation_sampling`` given as mappings."""
     merged: dict[str, Any] = dict(defaults or {})
     layers = [settings.fields if settings else {}, {k: v for k, v in (overrides or {}).items() if v is not None}]
     for layer in layers:
         for key, value in layer.items():
-            if key == "engine_kwargs" and isinstance(value, Mapping):
-                merged[key] = {**merged.get(key, {}), **value}
+            below = merged.get(key, {})
+            if key in ("engine_kwargs", *SAMPLING_FIELDS) and isinstance(value, Mapping) and isinstance(below, Mapping):
+                merged[key] = {**below, **value}
             else:
                 merged[key] = value
     if "model" not in merged:
         source = f" or in {settings.path}" if settings else ""
-        raise InvalidRequest("model", f"give a model directory: --model DIR{source} (rollout.model)")
+        raise InvalidRequest("model", f"give a model directory: --model DIR{source} (rollout.model or model_path)")
     where = "the command line" + (f" and {settings.path}" if settings else "")
     return structure(merged, where)
 

@@ -79,6 +79,7 @@ class AsyncEngine(EngineAgent, EngineWeights):
         engine = cls(info, info.create(config), config, plugins, extra)
         if config.deterministic:  # refused before anything starts
             engine.capabilities.require(Capability.DETERMINISTIC)
+        engine._discarded = config.load_format == "dummy"  # random weights: generate waits for an update
         started = time.perf_counter()
         try:
             await engine._with_timeout(engine._backend.rlinfer_start(config), config.startup_timeout_s, "start")

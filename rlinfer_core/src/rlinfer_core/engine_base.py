@@ -30,7 +30,7 @@ from rlinfer_core.discovery import BackendInfo
 from rlinfer_core.errors import EngineDead, EngineTimeout, RLInferError
 from rlinfer_core.model_info import ModelInfo
 from rlinfer_core.observers import Observers
-from rlinfer_core.preflight import validate_request
+from rlinfer_core.preflight import check_config_limits, validate_request
 from rlinfer_core.types import Capabilities, EngineConfig, GenerateRequest, MemoryTag
 from rlinfer_core.weights import TensorSpec
 
@@ -101,6 +101,7 @@ class EngineBase:
     def _validate_request(self, request: GenerateRequest) -> None:
         self._ensure_open()
         validate_request(request, self.capabilities, self._released, self.model_info)
+        check_config_limits(request, self.config)
         check_agent_request(self, request)  # tools, structured, lora (rlinfer_core.agent)
 
     # --- plumbing ------------------------------------------------------------------------------

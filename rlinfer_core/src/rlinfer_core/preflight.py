@@ -13,6 +13,7 @@ from rlinfer_core.types import (
     PAUSE_CAPABILITY,
     Capabilities,
     Capability,
+    EngineConfig,
     GenerateRequest,
     LogprobsMode,
     MemoryTag,
@@ -136,6 +137,25 @@ def validate_request(
             "prompt_token_ids",
             f"prompt of {len(request.prompt_token_ids)} tokens must be shorter than "
             f"max_model_len ({info.max_model_len})",
+        )
+
+
+def check_config_limits(request: GenerateRequest, config: EngineConfig) -> None:
+    """Raise InvalidRequest when ``request`` exceeds the config's request limits:
+    ``max_response_tokens`` (its max_tokens) and ``max_prompt_tokens`` (a token-id prompt's
+    length; a chat prompt's length is known only once templated, and is not checked here)."""
+    limit = config.max_response_tokens
+    if limit is not None and request.sampling.max_tokens > limit:
+        raise InvalidRequest(
+            "max_tokens",
+            f"must be <= max_response_tokens ({limit}) of the engine's config, got {request.sampling.max_tokens}",
+        )
+    limit = config.max_prompt_tokens
+    if limit is not None and request.prompt_token_ids is not None and len(request.prompt_token_ids) > limit:
+        raise InvalidRequest(
+            "prompt_token_ids",
+            f"prompt of {len(request.prompt_token_ids)} tokens must be at most max_prompt_tokens ({limit}) "
+            "of the engine's config",
         )
 
 

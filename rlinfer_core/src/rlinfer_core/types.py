@@ -14,7 +14,9 @@ from typing import Any, Literal
 import attrs
 
 from rlinfer_core import _validate as v
-from rlinfer_core.errors import InvalidRequest, UnsupportedCapability
+from rlinfer_core.capability import Capabilities as Capabilities
+from rlinfer_core.capability import Capability as Capability
+from rlinfer_core.errors import InvalidRequest
 from rlinfer_core.structured import StructuredOutput, to_structured
 from rlinfer_core.tools import ToolCalls, ToolSpec, check_parser, to_tools
 
@@ -52,59 +54,6 @@ class PauseMode(enum.StrEnum):
     ABORT = "abort"
     WAIT = "wait"
     KEEP = "keep"
-
-
-class Capability(enum.StrEnum):
-    """One thing a backend may or may not truly support on the current platform."""
-
-    STREAM = "generate.stream"
-    CHAT = "generate.chat"
-    PROMPT_LOGPROBS = "generate.prompt_logprobs"
-    TOP_LOGPROBS = "generate.top_logprobs"
-    MULTI_SAMPLE = "generate.n"
-    SEEDED_SAMPLING = "generate.seed"  #: per-request seeds reproduce sampled outputs
-    STOP_STRINGS = "generate.stop_strings"
-    ABORT = "abort"
-    PAUSE_ABORT = "pause.abort"
-    PAUSE_WAIT = "pause.wait"
-    PAUSE_KEEP = "pause.keep"
-    WEIGHTS_TENSORS = "weights.tensors"  #: in-process named tensors (shm / CUDA IPC under)
-    WEIGHTS_BUCKETS = "weights.buckets"  #: the core's flattened per-dtype buckets
-    WEIGHTS_DISK = "weights.disk"  #: a safetensors checkpoint directory
-    WEIGHTS_BROADCAST = "weights.broadcast"  #: torch.distributed broadcast group
-    WEIGHTS_CHECKSUM = "weights.checksum"  #: the engine reports checksums of what it serves
-    MEMORY_RELEASE = "memory.release"  #: release_memory really frees accelerator memory
-    #: release_memory(discard_weights=True): weights are dropped without a host backup and the
-    #: next full update_weights refills them (generate is refused until then)
-    MEMORY_DISCARD_WEIGHTS = "memory.discard_weights"
-    #: update_weights(WeightDelta): only the tensors that changed since a given base version
-    WEIGHTS_DELTA = "weights.delta"
-    #: EngineConfig.deterministic: bitwise-identical tokens and logprobs run to run and across
-    #: batch compositions (the engines' batch-invariant / deterministic modes)
-    DETERMINISTIC = "generate.deterministic"
-    PREFIX_CACHE_RESET = "prefix_cache.reset"
-    SAMPLING_MIN_P = "sampling.min_p"
-    SAMPLING_PENALTIES = "sampling.penalties"  #: repetition, presence and frequency penalties
-    SAMPLING_LOGIT_BIAS = "sampling.logit_bias"  #: per-token bias and allowed_token_ids
-    LOGPROBS_RAW = "logprobs.raw"  #: logprobs_mode="raw"
-    #: logprobs_mode="processed" under truncation (top_p, top_k, min_p): renormalised over the
-    #: tokens that could be sampled
-    LOGPROBS_PROCESSED = "logprobs.processed"
-    #: the raw-engine baselines of ``rlinfer bench`` (:class:`rlinfer_core.backend.BenchBackend`);
-    #: optional, not part of serving
-    BENCH = "bench"
-    #: multi-turn episodes with token continuity (:mod:`rlinfer_core.session`); derived by the
-    #: facade from plain generate (:mod:`rlinfer_core.derived`)
-    SESSIONS = "sessions"
-    #: teacher-forced logprobs of given tokens (:mod:`rlinfer_core.scoring`); derived by the
-    #: facade from generate.prompt_logprobs
-    SCORE = "score"
-    #: tools on requests (chat template tool section) and parsed tool calls (:mod:`rlinfer_core.tools`)
-    TOOLS = "generate.tools"
-    #: JSON schema / regex / choice constraints (:mod:`rlinfer_core.structured`)
-    STRUCTURED = "generate.structured"
-    #: LoRA adapters: load, unload, update in place, per-request use (:mod:`rlinfer_core.lora`)
-    LORA = "lora"
 
 
 PAUSE_CAPABILITY: Mapping[PauseMode, Capability] = {
@@ -355,55 +304,32 @@ class CompletionDelta:
     token_versions: tuple[int, ...] | None = None  #: per token of this delta
 
 
-def _capability_set(value: Any) -> frozenset[Capability]:
-    return frozenset(Capability(c) for c in value)
-
-
-@attrs.frozen
-class Capabilities:
-    """What a backend truly supports on the platform it runs on.
-
-    ``notes`` explains, per capability, why it is missing or how it behaves (shown by
-    ``rlinfer backends``). Built once per backend+platform.
-    """
-
-    backend: str
-    engine_version: str
-    platform: str  #: "cpu" or "cuda"
-    supported: frozenset[Capability] = attrs.field(converter=_capability_set)
-    notes: Mapping[str, str] = attrs.field(factory=dict)
-
-    def supports(self, capability: Capability) -> bool:
-        """True when ``capability`` is supported."""
-        return capability in self.supported
-
-    def require(self, capability: Capability) -> None:
-        """Raise UnsupportedCapability unless ``capability`` is supported."""
-        if capability not in self.supported:
-            raise UnsupportedCapability(capability.value, self.backend, self.notes.get(capability.value, ""))
-
-    def without(self, reasons: Mapping[Capability, str]) -> Capabilities:
-        """A copy that no longer claims the supported capabilities among ``reasons``, each noted
-        with its reason (what a running engine's configuration turns off)."""
-        dropped = {c for c in reasons if c in self.supported}
-        if not dropped:
-            return self
-        notes = {**self.notes, **{c.value: reasons[c] for c in dropped}}
-        return attrs.evolve(self, supported=self.supported - dropped, notes=notes)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form."""
-        return {
-            "backend": self.backend,
-            "engine_version": self.engine_version,
-            "platform": self.platform,
-            "supported": sorted(c.value for c in self.supported),
-            "unsupported": sorted(c.value for c in Capability if c not in self.supported),
-            "notes": dict(self.notes),
-        }
-
-
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+#: ``EngineConfig.load_format`` and ``EngineConfig.serving`` values (see the fields)
+LoadFormat = Literal["auto", "safetensors", "pt", "dummy"]
+Serving = Literal["inprocess", "server"]
+
+
+def _to_sampling(value: Any) -> Any:
+    """A mapping of SamplingParams fields (a config file's, JSON's) as SamplingParams."""
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - {f.name for f in attrs.fields(SamplingParams)})
+        if unknown:
+            raise InvalidRequest(
+                str(unknown[0]),
+                f"not a SamplingParams field; allowed: {[f.name for f in attrs.fields(SamplingParams)]}",
+            )
+        return SamplingParams(**value)
+    return value
+
+
+def _check_sampling(_inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if attribute.name == "validation_sampling" and value is None:
+        return
+    if not isinstance(value, SamplingParams):
+        raise InvalidRequest(attribute.name, f"must be a SamplingParams, got {type(value).__name__}")
 
 
 @attrs.frozen
@@ -411,6 +337,14 @@ class EngineConfig:
     """One schema for every engine; each backend maps it onto its engine's own arguments.
 
     ``engine_kwargs`` passes engine-specific arguments through unchanged (they win).
+
+    Parallelism, one meaning per word (verl's and vLLM's): an engine runs on
+    ``world_size = tensor_parallel_size x data_parallel_size x pipeline_parallel_size`` ranks.
+    ``tensor_parallel_size`` ranks shard each layer; ``data_parallel_size`` copies of that group
+    each run their own batch of requests (attention and dense layers replicated), inside one
+    engine; ``expert_parallel_size`` is 1 (experts sharded like the other layers) or
+    ``tensor_parallel_size x data_parallel_size`` (each rank holds whole experts: expert
+    parallelism across every rank of a pipeline stage).
     """
 
     model: str = attrs.field(validator=v.instance_of(str, "a string"))
@@ -419,12 +353,26 @@ class EngineConfig:
     seed: int = attrs.field(default=0, validator=v.in_range(0, 2**31 - 1, integer=True))
     device: Literal["auto", "cpu", "cuda"] = attrs.field(default="auto", validator=v.one_of("auto", "cpu", "cuda"))
     tensor_parallel_size: int = attrs.field(default=1, validator=v.in_range(1, 1024, integer=True))
+    #: copies of the tensor-parallel group inside one engine, each with its own requests (see the
+    #: class docstring); a pool of separate engines is rlinfer-ray's EnginePool instead
     data_parallel_size: int = attrs.field(default=1, validator=v.in_range(1, 1024, integer=True))
+    #: 1, or tensor_parallel_size x data_parallel_size: experts split whole across those ranks
+    expert_parallel_size: int = attrs.field(default=1, validator=v.in_range(1, 1024, integer=True))
+    #: pipeline stages (layers split across stages)
+    pipeline_parallel_size: int = attrs.field(default=1, validator=v.in_range(1, 1024, integer=True))
     max_model_len: int | None = attrs.field(
         default=None, validator=v.in_range(16, 10_000_000, integer=True, allow_none=True)
     )
     max_num_seqs: int | None = attrs.field(
         default=None, validator=v.in_range(1, 1_000_000, integer=True, allow_none=True)
+    )
+    #: tokens the engine schedules in one step (prefill chunks included); None: the engine's default
+    max_num_batched_tokens: int | None = attrs.field(
+        default=None, validator=v.in_range(16, 10_000_000, integer=True, allow_none=True)
+    )
+    #: split long prompts' prefill into chunks; None: the engine's default
+    enable_chunked_prefill: bool | None = attrs.field(
+        default=None, validator=attrs.validators.optional(v.instance_of(bool, "true or false"))
     )
     #: KV-cache budget in bytes (the memory budget on CPU; on GPU prefer gpu_memory_utilization)
     kv_cache_memory_bytes: int | None = attrs.field(
@@ -442,6 +390,29 @@ class EngineConfig:
     #: SGLang --enable-deterministic-inference); refused where Capability.DETERMINISTIC is not
     #: supported
     deterministic: bool = False
+    #: how the engine loads the weights at start. "dummy": random weights of the right shapes (a
+    #: fast start when the trainer pushes its weights at once, verl's default): the engine then
+    #: refuses generation (WeightsNotLoaded) until a full update_weights has loaded
+    load_format: LoadFormat = attrs.field(default="auto", validator=v.one_of("auto", "safetensors", "pt", "dummy"))
+    #: the longest prompt a request may have, in tokens (verl's prompt_length); None: only the
+    #: engine's context length limits it
+    max_prompt_tokens: int | None = attrs.field(
+        default=None, validator=v.in_range(1, 10_000_000, integer=True, allow_none=True)
+    )
+    #: the largest ``max_tokens`` a request may ask for (verl's response_length; also the default
+    #: max_tokens of an untouched default_sampling); None: no limit
+    max_response_tokens: int | None = attrs.field(
+        default=None, validator=v.in_range(1, 10_000_000, integer=True, allow_none=True)
+    )
+    #: the sampling a trainer gets from :meth:`sampling` (verl's temperature, top_k, top_p, n,
+    #: response_length...); requests carry their own SamplingParams, this is where to start from
+    default_sampling: SamplingParams = attrs.field(
+        factory=SamplingParams, converter=_to_sampling, validator=_check_sampling
+    )
+    #: the sampling for validation rollouts (verl's val_kwargs); None: default_sampling
+    validation_sampling: SamplingParams | None = attrs.field(
+        default=None, converter=_to_sampling, validator=_check_sampling
+    )
     request_timeout_s: float = attrs.field(default=300.0, validator=v.in_range(0.0, 86400.0, low_open=True))
     startup_timeout_s: float = attrs.field(default=900.0, validator=v.in_range(0.0, 86400.0, low_open=True))
     engine_kwargs: Mapping[str, Any] = attrs.field(factory=dict)
@@ -449,24 +420,64 @@ class EngineConfig:
     #: processes are its children). "server": the backend launches the engine's real HTTP server
     #: (``vllm serve``, ``sglang.launch_server``) as a child process on 127.0.0.1 with a free port
     #: and implements every operation over HTTP; backends without a server flavour refuse it
-    mode: Literal["inprocess", "server"] = attrs.field(default="inprocess", validator=v.one_of("inprocess", "server"))
+    serving: Serving = attrs.field(default="inprocess", validator=v.one_of("inprocess", "server"))
     #: attach to an engine server someone else started (``http://host:port``); implies
-    #: mode="server". Shutdown then leaves that server running, and engine_processes reports none
+    #: serving="server". Shutdown then leaves that server running, and engine_processes reports none
     server_url: str | None = attrs.field(default=None, validator=v.server_url)
+    #: the old name of ``serving`` (kept working): when given it sets ``serving`` and reads None
+    #: afterwards. Config files never set it: there ``mode`` is verl's async/sync
+    mode: Serving | None = attrs.field(default=None, validator=v.one_of(None, "inprocess", "server"))
 
     def __attrs_post_init__(self) -> None:
         if not self.model:
             raise InvalidRequest("model", "must be a model directory or name, got ''")
+        if self.mode is not None:
+            object.__setattr__(self, "serving", self.mode)
+            object.__setattr__(self, "mode", None)
+        ranks = self.tensor_parallel_size * self.data_parallel_size
+        if self.expert_parallel_size not in (1, ranks):
+            raise InvalidRequest(
+                "expert_parallel_size",
+                f"must be 1 or tensor_parallel_size x data_parallel_size = {ranks} (experts are split whole "
+                f"across every rank of a pipeline stage), got {self.expert_parallel_size}",
+            )
+        limit = self.max_response_tokens
+        if limit is not None and self.default_sampling == SamplingParams():
+            # verl's response_length: the limit is also the default length
+            object.__setattr__(self, "default_sampling", SamplingParams(max_tokens=limit))
+        for name, sampling in (
+            ("default_sampling", self.default_sampling),
+            ("validation_sampling", self.validation_sampling),
+        ):
+            if limit is not None and sampling is not None and sampling.max_tokens > limit:
+                raise InvalidRequest(
+                    name, f"max_tokens must be <= max_response_tokens ({limit}), got {sampling.max_tokens}"
+                )
 
     @property
     def server_mode(self) -> bool:
-        """True when the engine is driven over HTTP (``mode="server"`` or a ``server_url``)."""
-        return self.mode == "server" or self.server_url is not None
+        """True when the engine is driven over HTTP (``serving="server"`` or a ``server_url``)."""
+        return self.serving == "server" or self.server_url is not None
+
+    @property
+    def world_size(self) -> int:
+        """The engine's ranks: tensor x data x pipeline parallel sizes (one process or GPU each).
+
+        What a torch.distributed weight-broadcast group needs per engine, beyond the trainer."""
+        return self.tensor_parallel_size * self.data_parallel_size * self.pipeline_parallel_size
+
+    def sampling(self, *, validation: bool = False, **overrides: Any) -> SamplingParams:
+        """``default_sampling`` (or ``validation_sampling`` with ``validation``) with ``overrides``
+        (SamplingParams fields) on top: where a trainer's requests start from."""
+        base = (
+            self.validation_sampling if validation and self.validation_sampling is not None else self.default_sampling
+        )
+        return attrs.evolve(base, **overrides) if overrides else base
 
     @classmethod
     def from_file(cls, path: str, **overrides: Any) -> EngineConfig:
-        """Read the ``rollout:`` section of a YAML or TOML file (verl's layout); ``overrides``
-        (e.g. command-line values) win. See :mod:`rlinfer_core.config_file`."""
+        """Read a YAML or TOML config file (rlinfer's ``rollout:`` section or verl's layout as-is);
+        ``overrides`` (e.g. command-line values) win. See :mod:`rlinfer_core.config_file`."""
         from rlinfer_core.config_file import from_file
 
         return from_file(path, **overrides)

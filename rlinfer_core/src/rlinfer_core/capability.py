@@ -1,0 +1,115 @@
+"""The capability vocabulary: what a backend may or may not truly support on a platform.
+
+Re-exported by :mod:`rlinfer_core.types` (import them from there).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from rlinfer_core.errors import UnsupportedCapability
+
+
+class Capability(enum.StrEnum):
+    """One thing a backend may or may not truly support on the current platform."""
+
+    STREAM = "generate.stream"
+    CHAT = "generate.chat"
+    PROMPT_LOGPROBS = "generate.prompt_logprobs"
+    TOP_LOGPROBS = "generate.top_logprobs"
+    MULTI_SAMPLE = "generate.n"
+    SEEDED_SAMPLING = "generate.seed"  #: per-request seeds reproduce sampled outputs
+    STOP_STRINGS = "generate.stop_strings"
+    ABORT = "abort"
+    PAUSE_ABORT = "pause.abort"
+    PAUSE_WAIT = "pause.wait"
+    PAUSE_KEEP = "pause.keep"
+    WEIGHTS_TENSORS = "weights.tensors"  #: in-process named tensors (shm / CUDA IPC under)
+    WEIGHTS_BUCKETS = "weights.buckets"  #: the core's flattened per-dtype buckets
+    WEIGHTS_DISK = "weights.disk"  #: a safetensors checkpoint directory
+    WEIGHTS_BROADCAST = "weights.broadcast"  #: torch.distributed broadcast group
+    WEIGHTS_CHECKSUM = "weights.checksum"  #: the engine reports checksums of what it serves
+    MEMORY_RELEASE = "memory.release"  #: release_memory really frees accelerator memory
+    #: release_memory(discard_weights=True): weights are dropped without a host backup and the
+    #: next full update_weights refills them (generate is refused until then)
+    MEMORY_DISCARD_WEIGHTS = "memory.discard_weights"
+    #: update_weights(WeightDelta): only the tensors that changed since a given base version
+    WEIGHTS_DELTA = "weights.delta"
+    #: EngineConfig.deterministic: bitwise-identical tokens and logprobs run to run and across
+    #: batch compositions (the engines' batch-invariant / deterministic modes)
+    DETERMINISTIC = "generate.deterministic"
+    PREFIX_CACHE_RESET = "prefix_cache.reset"
+    SAMPLING_MIN_P = "sampling.min_p"
+    SAMPLING_PENALTIES = "sampling.penalties"  #: repetition, presence and frequency penalties
+    SAMPLING_LOGIT_BIAS = "sampling.logit_bias"  #: per-token bias and allowed_token_ids
+    LOGPROBS_RAW = "logprobs.raw"  #: logprobs_mode="raw"
+    #: logprobs_mode="processed" under truncation (top_p, top_k, min_p): renormalised over the
+    #: tokens that could be sampled
+    LOGPROBS_PROCESSED = "logprobs.processed"
+    #: the raw-engine baselines of ``rlinfer bench`` (:class:`rlinfer_core.backend.BenchBackend`);
+    #: optional, not part of serving
+    BENCH = "bench"
+    #: multi-turn episodes with token continuity (:mod:`rlinfer_core.session`); derived by the
+    #: facade from plain generate (:mod:`rlinfer_core.derived`)
+    SESSIONS = "sessions"
+    #: teacher-forced logprobs of given tokens (:mod:`rlinfer_core.scoring`); derived by the
+    #: facade from generate.prompt_logprobs
+    SCORE = "score"
+    #: tools on requests (chat template tool section) and parsed tool calls (:mod:`rlinfer_core.tools`)
+    TOOLS = "generate.tools"
+    #: JSON schema / regex / choice constraints (:mod:`rlinfer_core.structured`)
+    STRUCTURED = "generate.structured"
+    #: LoRA adapters: load, unload, update in place, per-request use (:mod:`rlinfer_core.lora`)
+    LORA = "lora"
+
+
+def _capability_set(value: Any) -> frozenset[Capability]:
+    return frozenset(Capability(c) for c in value)
+
+
+@attrs.frozen
+class Capabilities:
+    """What a backend truly supports on the platform it runs on.
+
+    ``notes`` explains, per capability, why it is missing or how it behaves (shown by
+    ``rlinfer backends``). Built once per backend+platform.
+    """
+
+    backend: str
+    engine_version: str
+    platform: str  #: "cpu" or "cuda"
+    supported: frozenset[Capability] = attrs.field(converter=_capability_set)
+    notes: Mapping[str, str] = attrs.field(factory=dict)
+
+    def supports(self, capability: Capability) -> bool:
+        """True when ``capability`` is supported."""
+        return capability in self.supported
+
+    def require(self, capability: Capability) -> None:
+        """Raise UnsupportedCapability unless ``capability`` is supported."""
+        if capability not in self.supported:
+            raise UnsupportedCapability(capability.value, self.backend, self.notes.get(capability.value, ""))
+
+    def without(self, reasons: Mapping[Capability, str]) -> Capabilities:
+        """A copy that no longer claims the supported capabilities among ``reasons``, each noted
+        with its reason (what a running engine's configuration turns off)."""
+        dropped = {c for c in reasons if c in self.supported}
+        if not dropped:
+            return self
+        notes = {**self.notes, **{c.value: reasons[c] for c in dropped}}
+        return attrs.evolve(self, supported=self.supported - dropped, notes=notes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form."""
+        return {
+            "backend": self.backend,
+            "engine_version": self.engine_version,
+            "platform": self.platform,
+            "supported": sorted(c.value for c in self.supported),
+            "unsupported": sorted(c.value for c in Capability if c not in self.supported),
+            "notes": dict(self.notes),
+        }
