@@ -55,10 +55,10 @@ def use_gpus(pool: PoolConfig, config: EngineConfig) -> bool:
 
 
 def bundle(pool: PoolConfig, config: EngineConfig) -> dict[str, float]:
-    """Resources of one replica: CPUs, plus one GPU per tensor-parallel rank on GPU."""
+    """Resources of one replica: CPUs, plus one GPU per engine rank (EngineConfig.world_size) on GPU."""
     out = {"CPU": pool.cpus_per_replica}
     if use_gpus(pool, config):
-        out["GPU"] = float(config.tensor_parallel_size)
+        out["GPU"] = float(config.world_size)
     return out
 
 

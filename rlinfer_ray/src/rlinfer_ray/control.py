@@ -283,13 +283,14 @@ class ControlPlane:
 
     @property
     def broadcast_ranks(self) -> int:
-        """Ranks the pool takes in a broadcast group: one per tensor-parallel worker per replica."""
-        return self.config.tensor_parallel_size * len(self.replicas.alive())
+        """Ranks the pool takes in a broadcast group: one per engine rank (EngineConfig.world_size)
+        per replica."""
+        return self.config.world_size * len(self.replicas.alive())
 
     async def init_weight_broadcast(self, group: BroadcastGroup) -> None:
         """Have every replica's workers join ONE group with the trainer (rank 0).
 
-        Replica k takes ranks ``group.rank_offset + k * tensor_parallel_size`` onwards, so one
+        Replica k takes ranks ``group.rank_offset + k * world_size`` onwards, so one
         broadcast from the trainer reaches every replica. ``group.world_size`` must be at least
         ``rank_offset + broadcast_ranks``.
         """
@@ -300,13 +301,13 @@ class ControlPlane:
         if need > group.world_size:
             raise InvalidRequest(
                 "world_size",
-                f"a pool of {len(members)} replicas x {self.config.tensor_parallel_size} ranks needs "
+                f"a pool of {len(members)} replicas x {self.config.world_size} ranks needs "
                 f"world_size >= rank_offset + {self.broadcast_ranks} = {need}, got {group.world_size}",
             )
         self._group_members = {}
         offsets = {}
         for k, r in enumerate(members):
-            offsets[r.index] = group.rank_offset + k * self.config.tensor_parallel_size
+            offsets[r.index] = group.rank_offset + k * self.config.world_size
         results = await self.replicas.fan_out(
             members,
             lambda r: self.replicas.call(

@@ -85,7 +85,7 @@ class SGLangBackend(Supervision, Generation, Memory, AgentHooks):
             self.platform,
             self.engine_version,
             config.enable_memory_release if self.platform == "cuda" else None,
-            config.tensor_parallel_size,
+            config.world_size,
         )
         self._engine: Engine | None = None
         self._tm: Any = None
@@ -96,7 +96,7 @@ class SGLangBackend(Supervision, Generation, Memory, AgentHooks):
         self._monitor: asyncio.Task[None] | None = None
         self._info: ModelInfo | None = None
         self._specs: dict[str, TensorSpec] = {}
-        self._tp_size = config.tensor_parallel_size
+        self._tp_size = config.world_size  # SGLang's tp_size: every rank of the engine
         #: rlinfer request id -> SGLang rids of its samples now in flight
         self._rids: dict[str, set[str]] = {}
         self._aborted: set[str] = set()

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
+from rlinfer_core import parallel
 from rlinfer_core.types import Capabilities, Capability
 
 BACKEND = "sglang"
@@ -188,6 +189,35 @@ MEMORY_RELEASE_OFF_NOTE = (
 )
 
 
+#: parallel features (rlinfer_core.parallel) the SGLang backend cannot run, per platform, and why
+PIPELINE_NOTE = (
+    "not supported: rlinfer's scheduler-side loader, checksums and broadcast receivers run on the "
+    "tensor-parallel ranks of one pipeline stage and have not been built for stages (verl refuses "
+    "SGLang rollouts with pipeline_model_parallel_size > 1 too)"
+)
+UNVERIFIED_CPU_NOTE = (
+    "not supported on CPU: rlinfer has not run SGLang's CPU engine (torch_native attention) with "
+    "attention data parallelism or expert parallelism through the kit, and claims nothing unverified"
+)
+DATA_CUDA_NOTE = (
+    "data_parallel_size = D starts SGLang with tp_size = tensor_parallel_size x D and attention data "
+    "parallelism of width D (attn_dp_size, or dp_size + enable_dp_attention before SGLang 0.5.23), as "
+    "verl does; the broadcast group gets tensor x data parallel ranks; not yet run through the kit on a GPU"
+)
+EXPERT_CUDA_NOTE = (
+    "expert_parallel_size = tensor x data parallel size starts SGLang with ep_size of that width; "
+    "not yet run through the kit on a GPU"
+)
+PARALLEL_UNSUPPORTED: dict[Platform, dict[str, str]] = {
+    "cpu": {parallel.EXPERT: UNVERIFIED_CPU_NOTE, parallel.DATA: UNVERIFIED_CPU_NOTE, parallel.PIPELINE: PIPELINE_NOTE},
+    "cuda": {parallel.PIPELINE: PIPELINE_NOTE},
+}
+PARALLEL_NOTES: dict[Platform, dict[str, str]] = {
+    "cpu": PARALLEL_UNSUPPORTED["cpu"],
+    "cuda": {**PARALLEL_UNSUPPORTED["cuda"], parallel.DATA: DATA_CUDA_NOTE, parallel.EXPERT: EXPERT_CUDA_NOTE},
+}
+
+
 def installed_version() -> str | None:
     """Version of the installed ``sglang`` distribution, or None."""
     try:
@@ -211,15 +241,28 @@ def capabilities(
     """Capabilities on ``platform``.
 
     ``memory_release``: whether the running engine was started with the memory saver; None (as
-    in :func:`describe`) reports what the platform can do.
+    in :func:`describe`) reports what the platform can do. ``tensor_parallel_size``: the engine's
+    ranks (EngineConfig.world_size; checksums need one).
     """
     if platform == "cpu":
         supported_cpu = set(COMMON | SAMPLING | AGENT_CPU)
         if tensor_parallel_size == 1:
             supported_cpu.add(Capability.WEIGHTS_CHECKSUM)
-        notes_cpu = {**CPU_NOTES, **SAMPLING_NOTES, **AGENT_NOTES, Capability.LORA.value: LORA_CPU_NOTE}
+        notes_cpu = {
+            **CPU_NOTES,
+            **SAMPLING_NOTES,
+            **AGENT_NOTES,
+            **PARALLEL_NOTES["cpu"],
+            Capability.LORA.value: LORA_CPU_NOTE,
+        }
         return Capabilities(BACKEND, engine_version, "cpu", frozenset(supported_cpu), notes_cpu)
-    notes = {**CUDA_NOTES, **SAMPLING_NOTES, **AGENT_NOTES, Capability.LORA.value: LORA_CUDA_NOTE}
+    notes = {
+        **CUDA_NOTES,
+        **SAMPLING_NOTES,
+        **AGENT_NOTES,
+        **PARALLEL_NOTES["cuda"],
+        Capability.LORA.value: LORA_CUDA_NOTE,
+    }
     for capability in (*SAMPLING, *AGENT_CPU, Capability.WEIGHTS_CHECKSUM):
         notes[capability.value] = f"{CUDA_UNVERIFIED}; on CPU: {notes[capability.value]}"
     supported = set(COMMON)

@@ -9,7 +9,14 @@ model / tokenizer              model_path / tokenizer_path
 dtype                          dtype ("auto", "float32", "bfloat16", "float16")
 seed                           random_seed
 device                         device ("cpu" / "cuda"; "auto" = the platform found)
-tensor/data_parallel_size      tp_size / dp_size
+tensor_parallel_size x         tp_size (SGLang's tp_size counts every rank of a pipeline stage)
+  data_parallel_size
+data_parallel_size > 1         attn_dp_size (dp_size + enable_dp_attention before SGLang 0.5.23)
+expert_parallel_size > 1       ep_size
+pipeline_parallel_size > 1     refused: UnsupportedCapability (see capabilities.PARALLEL_UNSUPPORTED)
+load_format (not "auto")       load_format
+max_num_batched_tokens         max_prefill_tokens, and chunked_prefill_size unless chunking is off
+enable_chunked_prefill=False   chunked_prefill_size=-1
 max_model_len                  context_length = max_model_len + 5 (SGLang's reserve, below)
 max_num_seqs                   max_running_requests
 kv_cache_memory_bytes          max_total_tokens (bytes / KV bytes per token of the model)
@@ -35,9 +42,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from rlinfer_core import parallel
 from rlinfer_core.errors import BackendLoadError, InvalidRequest
 from rlinfer_core.types import EngineConfig
-from rlinfer_sglang.capabilities import Platform
+from rlinfer_sglang.capabilities import BACKEND, PARALLEL_UNSUPPORTED, Platform
 
 #: the scheduler-side loader (see rlinfer_sglang.scheduler_side) every engine is started with
 WEIGHT_LOADER = "rlinfer_sglang.scheduler_side.load"
@@ -119,14 +127,14 @@ def server_args(config: EngineConfig, platform: Platform) -> dict[str, Any]:
         raise InvalidRequest(
             "dtype", "SGLang's CUDA kernels (sgl_kernel's RMSNorm) have no float32: use bfloat16 or float16"
         )
+    parallel.refuse_unsupported(config, BACKEND, PARALLEL_UNSUPPORTED[platform])
     args: dict[str, Any] = {
         "model_path": config.model,
         "tokenizer_path": config.tokenizer or config.model,
         "dtype": config.dtype,
         "random_seed": config.seed,
         "device": platform,
-        "tp_size": config.tensor_parallel_size,
-        "dp_size": config.data_parallel_size,
+        "tp_size": config.tensor_parallel_size * config.data_parallel_size,
         "log_level": "error",
         "custom_weight_loader": [WEIGHT_LOADER],
         # rlinfer's logits processor (penalties, logit_bias, allowed_token_ids; see logits.py)
@@ -140,6 +148,10 @@ def server_args(config: EngineConfig, platform: Platform) -> dict[str, Any]:
         # vocabulary fits, so truncated processed logprobs never abort a request
         # (absent in SGLang 0.5.16, where processed logprobs under truncation are not claimed)
         args["sampling_mask_max_tokens"] = vocab
+    args.update(parallel_args(config))
+    args.update(batching_args(config))
+    if config.load_format != "auto":
+        args["load_format"] = config.load_format
     if config.max_model_len is not None:
         args["context_length"] = config.max_model_len + CONTEXT_RESERVE
     if config.max_num_seqs is not None:
@@ -179,4 +191,30 @@ def server_args(config: EngineConfig, platform: Platform) -> dict[str, Any]:
     loaders = list(args.get("custom_weight_loader") or [])
     if WEIGHT_LOADER not in loaders:
         args["custom_weight_loader"] = [*loaders, WEIGHT_LOADER]
+    return args
+
+
+def parallel_args(config: EngineConfig) -> dict[str, Any]:
+    """SGLang's attention data parallelism and expert parallelism for ``config`` (tp_size is set
+    by :func:`server_args`: tensor x data parallel size)."""
+    args: dict[str, Any] = {}
+    if config.data_parallel_size > 1:
+        if _accepts("attn_dp_size"):
+            args["attn_dp_size"] = config.data_parallel_size
+        else:  # SGLang before 0.5.23
+            args.update(dp_size=config.data_parallel_size, enable_dp_attention=True)
+    if config.expert_parallel_size > 1:
+        args["ep_size"] = config.expert_parallel_size
+    return args
+
+
+def batching_args(config: EngineConfig) -> dict[str, Any]:
+    """SGLang's prefill batching for ``max_num_batched_tokens`` / ``enable_chunked_prefill``."""
+    args: dict[str, Any] = {}
+    if config.max_num_batched_tokens is not None:
+        args["max_prefill_tokens"] = config.max_num_batched_tokens
+        if config.enable_chunked_prefill is not False:
+            args["chunked_prefill_size"] = config.max_num_batched_tokens
+    if config.enable_chunked_prefill is False:
+        args["chunked_prefill_size"] = -1
     return args

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.metadata as md
 from typing import Literal
 
+from rlinfer_core import parallel
 from rlinfer_core.types import Capabilities, Capability
 
 BACKEND = "vllm"
@@ -120,6 +121,36 @@ MEMORY_RELEASE_OFF_NOTE = (
 )
 
 
+#: parallel features (rlinfer_core.parallel) the vLLM backend cannot run, per platform, and why
+PIPELINE_NOTE = (
+    "not supported: rlinfer's weight loading, checksums and broadcast receivers run on each tensor-parallel "
+    "worker of one pipeline stage and have not been built for stages (verl refuses vLLM rollouts with "
+    "pipeline_model_parallel_size > 1 too)"
+)
+DATA_NOTE = (
+    "not supported: with data_parallel_size > 1 vLLM runs one engine core per data-parallel rank and "
+    "rlinfer's weight updates reach one of them only; open one engine per rank (or an rlinfer-ray pool)"
+)
+EXPERT_CPU_NOTE = (
+    "not supported on CPU: vLLM's CPU MoE kernels ignore the expert map (vllm/model_executor/layers/"
+    "fused_moe/experts/cpu_moe.py: CPUUnquantizedExperts.apply passes global expert ids to cpu_fused_moe "
+    "over the rank's local experts; the quantized CPU experts declare supports_expert_map() False)"
+)
+EXPERT_CUDA_NOTE = (
+    "expert_parallel_size = tensor_parallel_size (data_parallel_size is 1 here) starts vLLM with "
+    "enable_expert_parallel=True: each rank holds whole experts, updates load the local ones (vLLM's "
+    "expert map); not yet run through the kit on a GPU"
+)
+PARALLEL_UNSUPPORTED: dict[Platform, dict[str, str]] = {
+    "cpu": {parallel.EXPERT: EXPERT_CPU_NOTE, parallel.DATA: DATA_NOTE, parallel.PIPELINE: PIPELINE_NOTE},
+    "cuda": {parallel.DATA: DATA_NOTE, parallel.PIPELINE: PIPELINE_NOTE},
+}
+PARALLEL_NOTES: dict[Platform, dict[str, str]] = {
+    "cpu": PARALLEL_UNSUPPORTED["cpu"],
+    "cuda": {**PARALLEL_UNSUPPORTED["cuda"], parallel.EXPERT: EXPERT_CUDA_NOTE},
+}
+
+
 def installed_engine() -> tuple[str, str] | None:
     """(distribution, version) of the installed vLLM build, or None."""
     from packaging.requirements import Requirement
@@ -154,7 +185,7 @@ def capabilities(
     only; server mode reports them unsupported).
     """
     supported = set(COMMON)
-    notes = {**SHARED_NOTES, **(CPU_NOTES if platform == "cpu" else CUDA_NOTES)}
+    notes = {**SHARED_NOTES, **(CPU_NOTES if platform == "cpu" else CUDA_NOTES), **PARALLEL_NOTES[platform]}
     if inprocess:
         supported |= INPROCESS
         notes.update(INPROCESS_NOTES)

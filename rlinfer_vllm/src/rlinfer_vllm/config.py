@@ -10,9 +10,10 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+from rlinfer_core import parallel
 from rlinfer_core.errors import BackendLoadError
 from rlinfer_core.types import MAX_TOP_LOGPROBS, EngineConfig
-from rlinfer_vllm.capabilities import Platform
+from rlinfer_vllm.capabilities import BACKEND, PARALLEL_UNSUPPORTED, Platform
 
 #: the worker extension that loads weight updates inside vLLM's worker processes
 WORKER_EXTENSION = "rlinfer_vllm.worker.RLInferWorkerExtension"
@@ -45,13 +46,10 @@ def engine_args(config: EngineConfig, platform: Platform) -> dict[str, Any]:
     """Keyword arguments for ``vllm.engine.arg_utils.AsyncEngineArgs``.
 
     ``config.engine_kwargs`` are applied last and win, except the two settings the contract
-    depends on (processed logprobs and the weight-loading worker extension).
+    depends on (processed logprobs and the weight-loading worker extension). Parallelism vLLM
+    cannot run here (see ``capabilities.PARALLEL_UNSUPPORTED``) raises UnsupportedCapability.
     """
-    if config.data_parallel_size != 1:
-        raise BackendLoadError(
-            "data_parallel_size > 1 is not supported by the vLLM backend: weight updates reach "
-            "one engine core only. Open one engine per data-parallel rank instead."
-        )
+    parallel.refuse_unsupported(config, BACKEND, PARALLEL_UNSUPPORTED[platform])
     for key in PROTECTED:
         if key in config.engine_kwargs:
             raise BackendLoadError(f"engine_kwargs may not set {key!r}: the rlinfer contract depends on it")
@@ -75,9 +73,15 @@ def engine_args(config: EngineConfig, platform: Platform) -> dict[str, Any]:
         # vLLM's CPU default reserves 92% of the host's memory and refuses to start when other
         # processes hold more than 8% of it; a fixed KV budget is the predictable choice
         kv_bytes = CPU_DEFAULT_KV_CACHE_BYTES
+    if config.expert_parallel_size > 1:  # = tensor x data parallel size, vLLM's only EP width
+        kwargs["enable_expert_parallel"] = True
+    if config.load_format != "auto":
+        kwargs["load_format"] = config.load_format
     optional = {
         "max_model_len": config.max_model_len,
         "max_num_seqs": config.max_num_seqs,
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "enable_chunked_prefill": config.enable_chunked_prefill,
         "kv_cache_memory_bytes": kv_bytes,
         # on CPU vLLM reads it as the fraction of host memory to reserve
         "gpu_memory_utilization": config.gpu_memory_utilization,

