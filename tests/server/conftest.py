@@ -24,6 +24,8 @@ BACKEND = os.environ.get("RLINFER_SERVER_TEST_BACKEND", "vllm")
 API_KEY = "test-control-key-0123456789abcdef"
 MODEL_NAME = "tiny"
 START_TIMEOUT_S = 600.0
+#: the shared server reads tool calls with the hermes parser and takes request chat templates
+SERVER_OPTIONS = ("--tool-call-parser", "hermes", "--trust-request-chat-template")
 
 
 @attrs.frozen
@@ -63,7 +65,9 @@ def write_config(path: Path, model: Path) -> Path:
 
     config = default_config(model, {})
     fields = {f.name: getattr(config, f.name) for f in attrs.fields(type(config))}
-    rollout = {"name": BACKEND, **{k: v for k, v in fields.items() if v is not None and k != "engine_kwargs"}}
+    # plain values only: nested settings (attrs objects such as default sampling) keep their defaults
+    plain = {k: v for k, v in fields.items() if v is not None and k != "engine_kwargs" and not attrs.has(type(v))}
+    rollout = {"name": BACKEND, **plain}
     rollout["tensor_model_parallel_size"] = rollout.pop("tensor_parallel_size")  # verl's name
     path.write_text(yaml.safe_dump({"rollout": rollout}))
     return path
@@ -120,7 +124,8 @@ def completion_of(extra: dict[str, Any], finish_reason: str) -> tuple[Any, Any]:
 def server(tiny_models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     tmp = tmp_path_factory.mktemp("server")
     config = write_config(tmp / "rollout.yaml", tiny_models[0])
-    with run_serve(config, tmp, tiny_models, env=dict(os.environ, RLINFER_API_KEY=API_KEY)) as served:
+    env = dict(os.environ, RLINFER_API_KEY=API_KEY)
+    with run_serve(config, tmp, tiny_models, *SERVER_OPTIONS, env=env) as served:
         yield served
 
 

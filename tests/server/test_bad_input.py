@@ -14,6 +14,10 @@ from hypothesis import strategies as st
 ENDPOINTS = [
     ("POST", "/v1/completions", "generate"),
     ("POST", "/v1/chat/completions", "generate"),
+    ("POST", "/v1/chat/completions/render", "generate"),
+    ("POST", "/v1/completions/render", "generate"),
+    ("POST", "/tokenize", "generate"),
+    ("POST", "/detokenize", "generate"),
     ("GET", "/v1/models", "generate"),
     ("GET", "/metrics", "generate"),
     ("GET", "/health", "open"),
@@ -57,6 +61,7 @@ known = [
     "seed",
     "top_k",
     "logit_bias",
+    "tools",
 ]
 
 #: fields where some endpoint accepts a string (a text prompt, a stop string, the model's name...)

@@ -53,6 +53,7 @@ class ServedEngine(Protocol):
     async def generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]: ...  # noqa: D102
     def stream(self, request: GenerateRequest) -> AsyncIterator[CompletionDelta]: ...  # noqa: D102
     async def check_health(self) -> None: ...  # noqa: D102
+    async def parse_tool_calls(self, text: str, parser: str, tools: Any = None) -> Any: ...  # noqa: D102
     async def abort(self, request_ids: Sequence[str] | None = None) -> None: ...  # noqa: D102
     async def pause(self, mode: Any = ...) -> None: ...  # noqa: D102
     async def resume(self) -> None: ...  # noqa: D102
@@ -122,9 +123,10 @@ def create_app(
     app.add_exception_handler(RLInferError, errors.rlinfer_error_handler)
     app.add_exception_handler(Exception, _internal_error)
 
-    from rlinfer_server import control, openai_api
+    from rlinfer_server import control, openai_api, tokenize_api
 
     app.include_router(openai_api.router)
+    app.include_router(tokenize_api.router)
     app.include_router(control.router)
     app.add_middleware(Guard, settings=settings, metrics=metrics)
     return app

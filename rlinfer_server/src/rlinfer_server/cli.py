@@ -35,6 +35,21 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--served-model-name", help="the model name clients send (default: --model as given)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="largest request body")
+    p.add_argument(
+        "--tool-call-parser",
+        choices=["hermes", "qwen", "llama"],
+        help="read tool calls from chat answers (tool_choice auto) with the engine's parser of this format",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="vLLM's flag, accepted for compatibility (needs --tool-call-parser, which alone enables it)",
+    )
+    p.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let requests bring their own chat_template (refused otherwise, as in vLLM)",
+    )
     p.add_argument("--ready-file", help="write {host, port, pid} as JSON here once the engine serves")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument(
@@ -82,6 +97,10 @@ def pool_settings(args: argparse.Namespace, file_settings: Any) -> Any:
 
 def settings_from_args(args: argparse.Namespace, model: str) -> ServerSettings:
     """Server settings from the command line and the environment, checked."""
+    from rlinfer_core.errors import InvalidRequest
+
+    if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
+        raise InvalidRequest("enable_auto_tool_choice", "needs --tool-call-parser")
     settings = ServerSettings(
         host=args.host,
         port=args.port,
@@ -89,6 +108,8 @@ def settings_from_args(args: argparse.Namespace, model: str) -> ServerSettings:
         generate_api_key=args.generate_api_key or os.environ.get(GENERATE_API_KEY_ENV) or None,
         max_body_bytes=args.max_body_bytes,
         served_model_name=args.served_model_name or model,
+        tool_call_parser=getattr(args, "tool_call_parser", None),
+        trust_request_chat_template=bool(getattr(args, "trust_request_chat_template", False)),
     )
     settings.check()
     return settings

@@ -15,8 +15,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from rlinfer_core.errors import InvalidRequest
-from rlinfer_core.types import ChatMessage, Completion, CompletionDelta, GenerateRequest, SamplingParams
+from rlinfer_core.structured import StructuredOutput
+from rlinfer_core.types import Completion, CompletionDelta, GenerateRequest, SamplingParams
+from rlinfer_server.chat_render import RenderedChat
+from rlinfer_server.compat import refuse_unsupported
+from rlinfer_server.constraints import structured_constraint
 from rlinfer_server.schemas import ChatRequest, CompletionRequest, SamplingFields
+from rlinfer_server.tool_choice import ToolPlan, answer
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 DEFAULT_CHAT_MAX_TOKENS = 256
@@ -35,20 +40,52 @@ class Tokens:
 
         return cls(AutoTokenizer.from_pretrained(path))
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of a text prompt (with the model's special tokens, as vLLM does)."""
-        return list(self._tok.encode(text, add_special_tokens=True))
+    @property
+    def tokenizer(self) -> Any:
+        """The Hugging Face tokenizer itself (chat templates)."""
+        return self._tok
 
-    def decode(self, ids: Sequence[int]) -> str:
-        """Text of output tokens (special tokens skipped)."""
-        return str(self._tok.decode(list(ids), skip_special_tokens=True))
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text prompt (with the model's special tokens unless told, as vLLM does)."""
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of output tokens (special tokens skipped unless told)."""
+        return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
     def piece(self, token_id: int) -> str:
         """The text of one token."""
         return str(self._tok.decode([token_id]))
 
+    def strings(self, ids: Sequence[int]) -> list[str]:
+        """The tokenizer's own string of each token (``/tokenize``'s ``token_strs``)."""
+        return [str(t) for t in self._tok.convert_ids_to_tokens(list(ids))]
 
-def _sampling(body: SamplingFields, max_tokens: int, logprobs: int) -> SamplingParams:
+
+def token_name(tokens: Tokens, token_id: int, as_id: bool) -> str:
+    """How a logprob entry names a token: its text, or ``"token_id:N"`` (vLLM's
+    ``return_tokens_as_token_ids``)."""
+    return f"token_id:{token_id}" if as_id else tokens.piece(token_id)
+
+
+def _prompt_logprobs(body: SamplingFields) -> bool:
+    if body.prompt_logprobs is None:
+        return False
+    if body.prompt_logprobs != 0:
+        raise InvalidRequest(
+            "prompt_logprobs",
+            f"only 0 is supported (each prompt token's own logprob; the engines' contract returns no top "
+            f"alternatives for prompt tokens), got {body.prompt_logprobs}",
+        )
+    if body.stream:
+        raise InvalidRequest("prompt_logprobs", "not available when streaming")
+    return True
+
+
+def _sampling(
+    body: SamplingFields, max_tokens: int, logprobs: int, structured: StructuredOutput | None = None
+) -> SamplingParams:
+    refuse_unsupported(body)
     bias: list[tuple[int, float]] = []
     for key, value in (body.logit_bias or {}).items():
         try:
@@ -75,6 +112,8 @@ def _sampling(body: SamplingFields, max_tokens: int, logprobs: int) -> SamplingP
         logit_bias=tuple(bias),
         allowed_token_ids=None if body.allowed_token_ids is None else tuple(body.allowed_token_ids),
         logprobs_mode=body.logprobs_mode,
+        prompt_logprobs=_prompt_logprobs(body),
+        structured=structured,
     )
 
 
@@ -92,47 +131,52 @@ def completion_requests(body: CompletionRequest, tokens: Tokens) -> list[Generat
     if body.best_of is not None and body.best_of != body.n:
         raise InvalidRequest("best_of", f"must equal n ({body.n}) or be left out, got {body.best_of}")
     prompt = body.prompt
+    special = body.add_special_tokens
     if isinstance(prompt, str):
-        prompts = [tokens.encode(prompt)]
+        prompts = [tokens.encode(prompt, special)]
     elif not prompt:
         raise InvalidRequest("prompt", "must not be empty")
     elif isinstance(prompt[0], int):
         prompts = [list(prompt)]
     elif isinstance(prompt[0], str):
-        prompts = [tokens.encode(p) for p in prompt]
+        prompts = [tokens.encode(p, special) for p in prompt]
     else:
         prompts = [list(p) for p in prompt]
     if body.stream and len(prompts) != 1:
         raise InvalidRequest("prompt", "streaming takes exactly one prompt")
     logprobs = body.logprobs or 0
-    sampling = _sampling(body, body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, logprobs)
+    structured = structured_constraint(body.response_format, body.structured_outputs)
+    sampling = _sampling(body, body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, logprobs, structured)
     return [
         GenerateRequest(prompt_token_ids=p, sampling=sampling, request_id=rid)
         for p, rid in zip(prompts, _ids(body.request_id, len(prompts)), strict=True)
     ]
 
 
-def _text(content: str | list[Any]) -> str:
-    return content if isinstance(content, str) else "".join(part.text for part in content)
-
-
-def chat_request(body: ChatRequest) -> GenerateRequest:
-    """The GenerateRequest of a ``/v1/chat/completions`` body (the engine applies the template)."""
-    if body.top_logprobs is not None and not body.logprobs:
+def chat_request(body: ChatRequest, prompt: RenderedChat, plan: ToolPlan) -> GenerateRequest:
+    """The GenerateRequest of a ``/v1/chat/completions`` body, over the prompt the server rendered
+    (``plan`` adds the tool parser of ``auto`` or the constraint of ``required`` / named)."""
+    if body.top_logprobs is not None and body.top_logprobs != 0 and not body.logprobs:
         raise InvalidRequest("top_logprobs", "needs logprobs: true")
     if body.max_tokens is not None and body.max_completion_tokens is not None:
         raise InvalidRequest("max_completion_tokens", "give max_completion_tokens or max_tokens, not both")
-    messages = [
-        ChatMessage(
-            role=m.role, content=m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)
-        )
-        for m in body.messages
-    ]
-    if not messages:
-        raise InvalidRequest("messages", "must hold at least one message")
+    structured = structured_constraint(body.response_format, body.structured_outputs)
+    if plan.constraint is not None:
+        if structured is not None:
+            field = "response_format" if body.response_format is not None else "structured_outputs"
+            raise InvalidRequest(
+                field, f"cannot be combined with tool_choice {plan.mode.value!r}, which constrains the output"
+            )
+        structured = plan.constraint
     max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_CHAT_MAX_TOKENS
-    sampling = _sampling(body, max_tokens, body.top_logprobs or 0)
-    return GenerateRequest(messages=messages, sampling=sampling, request_id=_ids(body.request_id, 1)[0])
+    sampling = _sampling(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else 0, structured)
+    return GenerateRequest(
+        prompt_token_ids=prompt.token_ids,
+        sampling=sampling,
+        request_id=_ids(body.request_id, 1)[0],
+        tools=plan.specs if plan.parser is not None else None,
+        tool_parser=plan.parser,
+    )
 
 
 def _extras(c: Completion | CompletionDelta) -> dict[str, Any]:
@@ -143,36 +187,49 @@ def _extras(c: Completion | CompletionDelta) -> dict[str, Any]:
     }
 
 
-def _completion_logprobs(c: Completion | CompletionDelta, top: Any, tokens: Tokens, offset: int) -> dict[str, Any]:
+def _completion_logprobs(
+    c: Completion | CompletionDelta, top: Any, tokens: Tokens, offset: int, as_ids: bool
+) -> dict[str, Any]:
     pieces = [tokens.piece(t) for t in c.token_ids]
     offsets, at = [], offset
     for p in pieces:
         offsets.append(at)
         at += len(p)
-    out: dict[str, Any] = {"tokens": pieces, "token_logprobs": list(c.logprobs), "text_offset": offsets}
-    out["top_logprobs"] = [{tokens.piece(t): lp for t, lp in alt.items()} for alt in top] if top else None
+    names = [token_name(tokens, t, as_ids) for t in c.token_ids] if as_ids else pieces
+    out: dict[str, Any] = {"tokens": names, "token_logprobs": list(c.logprobs), "text_offset": offsets}
+    out["top_logprobs"] = [{token_name(tokens, t, as_ids): lp for t, lp in alt.items()} for alt in top] if top else None
     out["top_logprobs_ids"] = [{str(t): lp for t, lp in alt.items()} for alt in top] if top else None
     return out
 
 
-def _chat_logprobs(c: Completion | CompletionDelta, top: Any, tokens: Tokens) -> dict[str, Any]:
+def _chat_entry(tokens: Tokens, token: int, logprob: float, as_ids: bool) -> dict[str, Any]:
+    name = token_name(tokens, token, as_ids)
+    return {"token": name, "token_id": token, "logprob": logprob, "bytes": list(name.encode())}
+
+
+def _chat_logprobs(c: Completion | CompletionDelta, top: Any, tokens: Tokens, as_ids: bool) -> dict[str, Any]:
     content = []
     for i, (token, lp) in enumerate(zip(c.token_ids, c.logprobs, strict=True)):
-        piece = tokens.piece(token)
         alts = top[i] if top else {}
-        content.append(
-            {
-                "token": piece,
-                "token_id": token,
-                "logprob": lp,
-                "bytes": list(piece.encode()),
-                "top_logprobs": [
-                    {"token": tokens.piece(t), "token_id": t, "logprob": v, "bytes": list(tokens.piece(t).encode())}
-                    for t, v in alts.items()
-                ],
-            }
-        )
+        entry = _chat_entry(tokens, token, lp, as_ids)
+        entry["top_logprobs"] = [_chat_entry(tokens, t, v, as_ids) for t, v in alts.items()]
+        content.append(entry)
     return {"content": content}
+
+
+def prompt_logprobs(c: Completion, tokens: Tokens, as_ids: bool) -> list[dict[str, Any] | None] | None:
+    """vLLM's ``prompt_logprobs``: per prompt token, None for the first, else
+    ``{token_id: {"logprob", "rank", "decoded_token"}}`` of the token itself (rank unknown: null)."""
+    if c.prompt_logprobs is None:
+        return None
+    out: list[dict[str, Any] | None] = []
+    for token, lp in zip(c.prompt_token_ids, c.prompt_logprobs, strict=False):
+        out.append(
+            None
+            if lp is None
+            else {str(token): {"logprob": lp, "rank": None, "decoded_token": token_name(tokens, token, as_ids)}}
+        )
+    return out
 
 
 def usage(completions: Sequence[Completion]) -> dict[str, int]:
@@ -188,16 +245,19 @@ def completion_response(
 ) -> dict[str, Any]:
     """The ``text_completion`` object (choice index = prompt index * n + sample index)."""
     order = {r.request_id: i for i, r in enumerate(requests)}
+    as_ids = bool(body.return_tokens_as_token_ids)
     choices = []
     for c in completions:
-        text = tokens.decode(c.token_ids)
+        text = tokens.decode(c.token_ids, body.skip_special_tokens)
+        logprobs = _completion_logprobs(c, c.top_logprobs, tokens, 0, as_ids) if body.logprobs is not None else None
         choice: dict[str, Any] = {
             "index": order[c.request_id] * body.n + c.index,
             "text": text,
-            "logprobs": _completion_logprobs(c, c.top_logprobs, tokens, 0) if body.logprobs is not None else None,
+            "logprobs": logprobs,
             "finish_reason": c.finish_reason.value,
             "stop_reason": c.stop_reason,
             "prompt_token_ids": list(c.prompt_token_ids),
+            "prompt_logprobs": prompt_logprobs(c, tokens, as_ids),
             **_extras(c),
         }
         choices.append(choice)
@@ -213,40 +273,61 @@ def completion_response(
     }
 
 
-def chat_response(body: ChatRequest, completions: Sequence[Completion], tokens: Tokens) -> dict[str, Any]:
-    """The ``chat.completion`` object."""
+def chat_choice_text(body: ChatRequest, token_ids: Sequence[int], tokens: Tokens) -> str:
+    """The content text of a chat output (the decode of its tokens)."""
+    return tokens.decode(token_ids, body.skip_special_tokens)
+
+
+def chat_response(
+    body: ChatRequest, prompt: RenderedChat, plan: ToolPlan, completions: Sequence[Completion], tokens: Tokens
+) -> dict[str, Any]:
+    """The ``chat.completion`` object; with tools, each message is read as
+    :func:`rlinfer_server.tool_choice.answer` says."""
+    as_ids = bool(body.return_tokens_as_token_ids)
     choices = []
-    for c in sorted(completions, key=lambda c: c.index):
-        text = tokens.decode(c.token_ids)
-        choices.append(
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": _chat_logprobs(c, c.top_logprobs, tokens) if body.logprobs else None,
-                "finish_reason": c.finish_reason.value,
-                "stop_reason": c.stop_reason,
-                "prompt_token_ids": list(c.prompt_token_ids),
-                **_extras(c),
-            }
-        )
-    return {
+    ordered = sorted(completions, key=lambda c: c.index)
+    for c in ordered:
+        said = answer(plan, chat_choice_text(body, c.token_ids, tokens), c.finish_reason.value, c.tool_calls)
+        choice: dict[str, Any] = {
+            "index": c.index,
+            "message": said.message(),
+            "logprobs": _chat_logprobs(c, c.top_logprobs, tokens, as_ids) if body.logprobs else None,
+            "finish_reason": said.finish_reason,
+            "stop_reason": c.stop_reason,
+            "prompt_token_ids": list(c.prompt_token_ids),
+            **_extras(c),
+        }
+        if said.errors:
+            choice["tool_call_errors"] = [dict(e) for e in said.errors]
+        choices.append(choice)
+    out: dict[str, Any] = {
         "id": completions[0].request_id if completions else "",
         "object": "chat.completion",
         "created": int(time.time()),
         "model": body.model,
         "choices": choices,
         "usage": usage(completions),
+        "prompt_token_ids": list(prompt.token_ids),
+        "prompt_logprobs": prompt_logprobs(ordered[0], tokens, as_ids) if ordered else None,
         "weight_version": max((c.weight_version for c in completions), default=0),
     }
+    if body.return_prompt_text:
+        out["prompt_text"] = prompt.text
+    return out
 
 
 class Detokenizer:
     """Incremental text of streamed tokens, per sample: holds back an unfinished UTF-8 sequence."""
 
-    def __init__(self, tokens: Tokens) -> None:
+    def __init__(self, tokens: Tokens, skip_special_tokens: bool = True) -> None:
         self._tokens = tokens
+        self._skip = skip_special_tokens
         self._ids: dict[int, list[int]] = {}
         self._sent: dict[int, str] = {}
+
+    def token_ids(self, index: int) -> list[int]:
+        """Every token of sample ``index`` pushed so far."""
+        return list(self._ids.get(index, ()))
 
     def offset(self, index: int) -> int:
         """Characters of sample ``index`` sent so far."""
@@ -256,7 +337,7 @@ class Detokenizer:
         """Add ``ids`` to sample ``index``; return the new text."""
         all_ids = self._ids.setdefault(index, [])
         all_ids.extend(ids)
-        text = self._tokens.decode(all_ids)
+        text = self._tokens.decode(all_ids, self._skip)
         if text.endswith("\ufffd") and not final:
             return ""
         sent = self._sent.get(index, "")
@@ -269,6 +350,7 @@ def completion_chunk(
     body: CompletionRequest, delta: CompletionDelta, text: str, offset: int, tokens: Tokens
 ) -> dict[str, Any]:
     """One ``text_completion`` stream chunk."""
+    as_ids = bool(body.return_tokens_as_token_ids)
     return {
         "id": delta.request_id,
         "object": "text_completion",
@@ -278,7 +360,9 @@ def completion_chunk(
             {
                 "index": delta.index,
                 "text": text,
-                "logprobs": _completion_logprobs(delta, None, tokens, offset) if body.logprobs is not None else None,
+                "logprobs": _completion_logprobs(delta, None, tokens, offset, as_ids)
+                if body.logprobs is not None
+                else None,
                 "finish_reason": delta.finish_reason.value if delta.finish_reason else None,
                 "stop_reason": delta.stop_reason,
                 **_extras(delta),
@@ -288,12 +372,17 @@ def completion_chunk(
     }
 
 
-def chat_chunk(body: ChatRequest, delta: CompletionDelta, text: str, first: bool, tokens: Tokens) -> dict[str, Any]:
-    """One ``chat.completion.chunk``."""
-    message: dict[str, Any] = {"content": text}
-    if first:
-        message["role"] = "assistant"
-    return {
+def chat_chunk(
+    body: ChatRequest,
+    delta: CompletionDelta,
+    message: dict[str, Any],
+    finish_reason: str | None,
+    tokens: Tokens,
+    prompt: RenderedChat | None = None,
+) -> dict[str, Any]:
+    """One ``chat.completion.chunk`` carrying ``message`` as its delta; the first chunk has the
+    response-level ``prompt_token_ids`` (and ``prompt_text`` when asked), as vLLM's."""
+    chunk: dict[str, Any] = {
         "id": delta.request_id,
         "object": "chat.completion.chunk",
         "created": int(time.time()),
@@ -302,11 +391,18 @@ def chat_chunk(body: ChatRequest, delta: CompletionDelta, text: str, first: bool
             {
                 "index": delta.index,
                 "delta": message,
-                "logprobs": _chat_logprobs(delta, None, tokens) if body.logprobs else None,
-                "finish_reason": delta.finish_reason.value if delta.finish_reason else None,
+                "logprobs": _chat_logprobs(delta, None, tokens, bool(body.return_tokens_as_token_ids))
+                if body.logprobs
+                else None,
+                "finish_reason": finish_reason,
                 "stop_reason": delta.stop_reason,
                 **_extras(delta),
             }
         ],
         "weight_version": delta.weight_version,
     }
+    if prompt is not None:
+        chunk["prompt_token_ids"] = list(prompt.token_ids)
+        if body.return_prompt_text:
+            chunk["prompt_text"] = prompt.text
+    return chunk

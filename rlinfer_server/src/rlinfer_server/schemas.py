@@ -4,7 +4,7 @@ names the same field and allowed range as the Python API does."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -22,7 +22,73 @@ class StreamOptions(Body):
     continuous_usage_stats: bool = False
 
 
-class SamplingFields(Body):
+class VllmCompatFields(Body):
+    """Fields vLLM's OpenAI server accepts that rlinfer serve does not implement: accepted (so they
+    are never "unknown"), and refused with a 400 naming the field when set to anything but their
+    neutral value (:mod:`rlinfer_server.compat` holds the values and the reasons)."""
+
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    watermarking: Any = None
+    truncate_prompt_tokens: Any = None
+    truncation_side: Any = None
+    logprob_token_ids: Any = None
+    bad_words: Any = None
+    priority: Any = None
+    cache_salt: Any = None
+    kv_transfer_params: Any = None
+    ec_transfer_params: Any = None
+    vllm_xargs: Any = None
+    repetition_detection: Any = None
+    thinking_token_budget: Any = None
+    routed_experts_prompt_start: Any = None
+    return_token_offsets: Any = None
+    mm_payload: Any = None
+    return_mm_kwargs: Any = None
+    spaces_between_special_tokens: Any = None
+    #: accepted and ignored, as hints: rlinfer routes and streams by its own rules
+    session_id: Any = None
+    stream_interval: Any = None
+    #: accepted; the text is always the decode of token_ids, so a matched stop string is in it
+    include_stop_str_in_output: Any = None
+
+
+class JsonSchemaFormat(Body):
+    """``response_format.json_schema``: a named JSON schema."""
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Body):
+    """OpenAI ``response_format``: ``text``, ``json_object`` or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+    #: vLLM's structural-tag formats (refused: no engine-neutral form)
+    format: Any = None
+    structures: Any = None
+    triggers: Any = None
+
+
+class StructuredOutputsIn(Body):
+    """vLLM's ``structured_outputs``: exactly one of ``json``, ``regex``, ``choice`` (honoured),
+    ``json_object``, or ``grammar`` / ``structural_tag`` (refused: no engine-neutral form)."""
+
+    json_: dict[str, Any] | str | bool | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+
+class SamplingFields(VllmCompatFields):
     """Sampling fields shared by both OpenAI endpoints, plus rlinfer's extensions."""
 
     model: str
@@ -51,6 +117,14 @@ class SamplingFields(Body):
     request_id: str | None = Field(default=None, min_length=1, max_length=256)
     #: accepted for vLLM compatibility; token ids are always returned
     return_token_ids: bool | None = None
+    #: logprob entries name tokens as "token_id:N" instead of their text (vLLM's option)
+    return_tokens_as_token_ids: bool | None = None
+    #: the prompt tokens' own logprobs (0; vLLM's top-k alternatives of prompt tokens are not offered)
+    prompt_logprobs: int | None = None
+    #: output text without special tokens (default) or with them
+    skip_special_tokens: bool = True
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsIn | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -61,6 +135,9 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    #: text prompts get the model's special tokens (e.g. BOS) unless false
+    add_special_tokens: bool = True
+    prompt_embeds: Any = None
 
 
 class TextPart(Body):
@@ -70,21 +147,119 @@ class TextPart(Body):
     text: str
 
 
+class FunctionCallIn(Body):
+    """The function of an assistant message's tool call: ``arguments`` as JSON text (OpenAI) or
+    an object."""
+
+    name: str
+    arguments: str | dict[str, Any] | None = None
+
+
+class ToolCallIn(Body):
+    """One tool call of an assistant message in the history."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessageIn(Body):
-    """One chat message."""
+    """One chat message: ``tool_calls`` on assistant turns, ``tool_call_id`` on tool results."""
 
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    #: an earlier turn's reasoning, for templates that render it (vLLM's name; reasoning_content too)
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
-class ChatRequest(SamplingFields):
-    """``POST /v1/chat/completions``."""
+class FunctionDefinitionIn(Body):
+    """A tool's function: name, description and a JSON schema of its arguments."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolIn(Body):
+    """One tool of ``tools``."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinitionIn
+    defer_loading: bool | None = None
+
+
+class NamedFunction(Body):
+    """``tool_choice.function``."""
+
+    name: str
+
+
+class NamedToolChoice(Body):
+    """``tool_choice`` naming one function the model must call."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class ChatTemplateFields(Body):
+    """How messages are rendered by the chat template (chat, ``/tokenize``, render)."""
 
     messages: list[ChatMessageIn]
+    tools: list[ToolIn] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    #: add the tokenizer's special tokens (e.g. BOS) on top of what the template renders
+    add_special_tokens: bool = False
+    documents: list[dict[str, str]] | None = None
+    #: a Jinja template for this request (needs --trust-request-chat-template, as in vLLM)
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    media_io_kwargs: Any = None
+    mm_processor_kwargs: Any = None
+
+
+class ChatRequest(SamplingFields, ChatTemplateFields):
+    """``POST /v1/chat/completions`` (and ``/v1/chat/completions/render``)."""
+
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    #: the rendered prompt text in the response (vLLM's option)
+    return_prompt_text: bool | None = None
+    #: accepted; without a reasoning parser there is no reasoning to include or leave out
+    include_reasoning: bool = True
+    reasoning_effort: str | None = None
+    echo: bool = False
+
+
+class TokenizeCompletionBody(Body):
+    """``POST /tokenize`` with a text prompt."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatBody(ChatTemplateFields):
+    """``POST /tokenize`` with chat messages (rendered by the chat template)."""
+
+    model: str | None = None
+    return_token_strs: bool | None = False
+
+
+class DetokenizeBody(Body):
+    """``POST /detokenize``."""
+
+    model: str | None = None
+    tokens: list[int]
 
 
 class SpecIn(Body):

@@ -9,6 +9,7 @@ import socket
 import attrs
 
 from rlinfer_core.errors import InvalidRequest
+from rlinfer_core.tools import TOOL_PARSERS
 
 API_KEY_ENV = "RLINFER_API_KEY"
 GENERATE_API_KEY_ENV = "RLINFER_GENERATE_API_KEY"
@@ -38,6 +39,9 @@ class ServerSettings:
     ``api_key`` guards the control endpoints (and works on every other endpoint too);
     ``generate_api_key``, when set, guards generation, models and metrics. Without ``api_key``
     the control endpoints answer 403. A non-loopback ``host`` needs ``api_key``.
+    ``tool_call_parser`` ("hermes", "qwen", "llama": the engine's parser of that format) reads
+    tool calls from chat answers with ``tool_choice: "auto"``; ``trust_request_chat_template``
+    lets requests bring their own chat template (refused otherwise, as in vLLM).
     """
 
     host: str = "127.0.0.1"
@@ -46,6 +50,8 @@ class ServerSettings:
     generate_api_key: str | None = attrs.field(default=None, repr=False)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     served_model_name: str = "model"
+    tool_call_parser: str | None = None
+    trust_request_chat_template: bool = False
 
     def check(self) -> None:
         """Refuse unsafe or impossible settings (InvalidRequest naming the option)."""
@@ -59,6 +65,10 @@ class ServerSettings:
             )
         if not 0 <= self.port <= 65535:
             raise InvalidRequest("port", f"must be in [0, 65535], got {self.port}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise InvalidRequest(
+                "tool_call_parser", f"must be one of {list(TOOL_PARSERS)}, got {self.tool_call_parser!r}"
+            )
         if self.max_body_bytes < 1024:
             raise InvalidRequest("max_body_bytes", f"must be >= 1024, got {self.max_body_bytes}")
 
