@@ -117,3 +117,12 @@ def test_non_loopback_bind_needs_a_key() -> None:
         ServerSettings(api_key="short").check()
     done = _rlinfer("serve", "--backend", "vllm", "--model", "/m", "--host", "0.0.0.0", env={"RLINFER_API_KEY": ""})
     assert done.returncode == 1 and "invalid host" in done.stderr
+
+
+def test_tool_options_are_checked_before_anything_starts() -> None:
+    with pytest.raises(InvalidRequest) as info:
+        ServerSettings(tool_call_parser="nope").check()
+    assert info.value.field == "tool_call_parser"
+    ServerSettings(tool_call_parser="hermes", trust_request_chat_template=True).check()
+    done = _rlinfer("serve", "--backend", "vllm", "--model", "/m", "--enable-auto-tool-choice")
+    assert done.returncode == 1 and "enable_auto_tool_choice" in done.stderr and "--tool-call-parser" in done.stderr

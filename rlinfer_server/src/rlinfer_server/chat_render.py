@@ -63,8 +63,14 @@ def _arguments(call: ToolCallIn) -> dict[str, Any]:
     return parsed if isinstance(parsed, dict) else {}
 
 
-def template_message(message: ChatMessageIn) -> dict[str, Any]:
+def template_message(message: ChatMessageIn, index: int = 0) -> dict[str, Any]:
     """One message as the chat template sees it (text parts joined by newlines, as vLLM does)."""
+    if message.function_call is not None:
+        raise InvalidRequest(
+            f"messages.{index}.function_call", "the deprecated functions API is not supported; use tool_calls"
+        )
+    if message.audio is not None:
+        raise InvalidRequest(f"messages.{index}.audio", "rlinfer serves text models")
     content = message.content
     text = "\n".join(p.text for p in content) if isinstance(content, list) else (content or "")
     out: dict[str, Any] = {"role": message.role, "content": text}
@@ -72,7 +78,9 @@ def template_message(message: ChatMessageIn) -> dict[str, Any]:
         out["name"] = message.name
     if message.tool_calls:
         if message.role != "assistant":
-            raise InvalidRequest("messages", f"tool_calls are only for assistant messages, not {message.role!r}")
+            raise InvalidRequest(
+                f"messages.{index}.tool_calls", f"only assistant messages have tool_calls, not {message.role!r}"
+            )
         out["tool_calls"] = [
             {
                 "id": call.id,
@@ -121,7 +129,7 @@ def render_chat(
     if not body.messages:
         raise InvalidRequest("messages", "must hold at least one message")
     kwargs = _template_kwargs(body, trust_request_template)
-    messages = [template_message(m) for m in body.messages]
+    messages = [template_message(m, i) for i, m in enumerate(body.messages)]
     if body.chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise InvalidRequest("messages", "the model's tokenizer has no chat template; send chat_template")
     try:

@@ -4,7 +4,8 @@ Extensions on every choice (ignored by OpenAI clients, in ``choice.model_extra``
 package): ``token_ids``, ``prompt_token_ids``, ``token_logprobs`` (the sampled tokens' logprobs,
 always returned) and ``token_versions`` (the weight version that produced each token); the
 response has ``weight_version`` (the newest of them). ``text`` is always the tokenizer's decode of
-``token_ids`` (special tokens skipped), so streamed text concatenates to the batch text.
+``token_ids`` (special tokens skipped unless ``skip_special_tokens: false``), so streamed text
+concatenates to the batch text.
 """
 
 from __future__ import annotations

@@ -174,6 +174,11 @@ class ChatMessageIn(Body):
     #: an earlier turn's reasoning, for templates that render it (vLLM's name; reasoning_content too)
     reasoning: str | None = None
     reasoning_content: str | None = None
+    #: OpenAI assistant fields: ``refusal`` is accepted (templates do not render it); the
+    #: deprecated ``function_call`` and ``audio`` are refused with the field named
+    refusal: str | None = None
+    function_call: Any = None
+    audio: Any = None
 
 
 class FunctionDefinitionIn(Body):
@@ -183,6 +188,7 @@ class FunctionDefinitionIn(Body):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+    defer_loading: bool | None = None
 
 
 class ToolIn(Body):
