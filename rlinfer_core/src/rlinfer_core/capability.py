@@ -42,6 +42,9 @@ class Capability(enum.StrEnum):
     #: EngineConfig.deterministic: bitwise-identical tokens and logprobs run to run and across
     #: batch compositions (the engines' batch-invariant / deterministic modes)
     DETERMINISTIC = "generate.deterministic"
+    #: SamplingParams.return_routed_experts: Completion.routed_experts of an MoE model, in the one
+    #: alignment of :mod:`rlinfer_core.routing` (needs EngineConfig.enable_routed_experts)
+    GENERATE_ROUTED_EXPERTS = "generate.routed_experts"
     PREFIX_CACHE_RESET = "prefix_cache.reset"
     SAMPLING_MIN_P = "sampling.min_p"
     SAMPLING_PENALTIES = "sampling.penalties"  #: repetition, presence and frequency penalties

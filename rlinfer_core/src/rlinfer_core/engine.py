@@ -23,7 +23,7 @@ from rlinfer_core.backend import StreamingBackend, claimed_but_missing, present
 from rlinfer_core.discovery import get_backend, plugin_objects
 from rlinfer_core.engine_agent import EngineAgent
 from rlinfer_core.engine_weights import EngineWeights
-from rlinfer_core.errors import BackendLoadError
+from rlinfer_core.errors import BackendLoadError, InvalidRequest
 from rlinfer_core.preflight import (
     TRANSPORT_CAPABILITY,
     as_batch,
@@ -79,6 +79,8 @@ class AsyncEngine(EngineAgent, EngineWeights):
         engine = cls(info, info.create(config), config, plugins, extra)
         if config.deterministic:  # refused before anything starts
             engine.capabilities.require(Capability.DETERMINISTIC)
+        if config.enable_routed_experts:
+            engine.capabilities.require(Capability.GENERATE_ROUTED_EXPERTS)
         engine._discarded = config.load_format == "dummy"  # random weights: generate waits for an update
         started = time.perf_counter()
         try:
@@ -170,6 +172,8 @@ class AsyncEngine(EngineAgent, EngineWeights):
         when it runs out) and an engine that died meanwhile raises EngineDead.
         """
         self.capabilities.require(Capability.STREAM)
+        if request.sampling.return_routed_experts:  # deltas carry no routes
+            raise InvalidRequest("return_routed_experts", "routes come with generate(), not with stream()")
         self._validate_request(request)
         impl = present(self._stream_impl, "rlinfer_generate_stream", self.backend_name)
         return self._stream(impl, request)

@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import enum
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import attrs
 
 from rlinfer_core import _validate as v
+from rlinfer_core.assignments import parse_assignments as parse_assignments
 from rlinfer_core.capability import Capabilities as Capabilities
 from rlinfer_core.capability import Capability as Capability
 from rlinfer_core.errors import InvalidRequest
+from rlinfer_core.routing import RoutedExperts
 from rlinfer_core.structured import StructuredOutput, to_structured
 from rlinfer_core.tools import ToolCalls, ToolSpec, check_parser, to_tools
 
@@ -158,6 +160,9 @@ class SamplingParams:
     logprobs_mode: LogprobsMode = attrs.field(default=LogprobsMode.PROCESSED, converter=_to_logprobs_mode)
     #: constrain the output to a JSON schema, a regex or a choice (capability generate.structured)
     structured: StructuredOutput | None = attrs.field(default=None, converter=to_structured)
+    #: return Completion.routed_experts, the experts each token was routed to (capability
+    #: generate.routed_experts; alignment in :mod:`rlinfer_core.routing`)
+    return_routed_experts: bool = attrs.field(default=False, validator=v.instance_of(bool, "a bool (True or False)"))
 
     def __attrs_post_init__(self) -> None:
         if self.top_k == 0:
@@ -288,6 +293,9 @@ class Completion:
     token_versions: tuple[int, ...] | None = None  #: per token; filled for every completion
     #: tool calls parsed from the output when the request named a ``tool_parser`` (token_ids stay raw)
     tool_calls: ToolCalls | None = None
+    #: [prompt + completion tokens, layers, top_k] expert ids when the request asked for them
+    #: (SamplingParams.return_routed_experts); alignment and sentinel: :mod:`rlinfer_core.routing`
+    routed_experts: RoutedExperts | None = None
 
 
 @attrs.frozen
@@ -338,13 +346,10 @@ class EngineConfig:
 
     ``engine_kwargs`` passes engine-specific arguments through unchanged (they win).
 
-    Parallelism, one meaning per word (verl's and vLLM's): an engine runs on
-    ``world_size = tensor_parallel_size x data_parallel_size x pipeline_parallel_size`` ranks.
-    ``tensor_parallel_size`` ranks shard each layer; ``data_parallel_size`` copies of that group
-    each run their own batch of requests (attention and dense layers replicated), inside one
-    engine; ``expert_parallel_size`` is 1 (experts sharded like the other layers) or
-    ``tensor_parallel_size x data_parallel_size`` (each rank holds whole experts: expert
-    parallelism across every rank of a pipeline stage).
+    Parallelism (verl's and vLLM's words): an engine runs on ``world_size`` = tensor x data x
+    pipeline parallel sizes ranks; tensor ranks shard each layer, data-parallel copies of that
+    group run their own batches inside one engine; ``expert_parallel_size`` is 1 (experts sharded
+    like the other layers) or tensor x data (each rank holds whole experts).
     """
 
     model: str = attrs.field(validator=v.instance_of(str, "a string"))
@@ -390,6 +395,12 @@ class EngineConfig:
     #: SGLang --enable-deterministic-inference); refused where Capability.DETERMINISTIC is not
     #: supported
     deterministic: bool = False
+    #: start the engine able to return routed experts (SamplingParams.return_routed_experts) for an
+    #: MoE model; refused where Capability.GENERATE_ROUTED_EXPERTS is not supported
+    enable_routed_experts: bool = False
+    #: read every update back (engine checksums vs the trainer's, where weights.checksum is
+    #: claimed); a difference raises WeightVerificationError (see docs/weights.md)
+    verify_updates: bool = True
     #: how the engine loads the weights at start. "dummy": random weights of the right shapes (a
     #: fast start when the trainer pushes its weights at once, verl's default): the engine then
     #: refuses generation (WeightsNotLoaded) until a full update_weights has loaded
@@ -481,20 +492,3 @@ class EngineConfig:
         from rlinfer_core.config_file import from_file
 
         return from_file(path, **overrides)
-
-
-def parse_assignments(items: Sequence[str], what: str = "engine_kwargs") -> dict[str, Any]:
-    """Parse ``["key=value", ...]`` (from a command line); values are JSON when they parse
-    (``true``, ``3``, ``0.5``, ``"x"``), plain strings otherwise."""
-    import json
-
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise InvalidRequest(what, f"expected KEY=VALUE, got {item!r}")
-        try:
-            out[key.strip()] = json.loads(raw)
-        except ValueError:
-            out[key.strip()] = raw
-    return out
