@@ -89,7 +89,14 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["RLINFER_LOGPROB_TOL"] = str(float(tolerance))  # read by rlinfer_conformance.world
     backend = config.getoption("--rlinfer-backend")
     if backend:
+        import tempfile
+
         from hypothesis import settings
+
+        from rlinfer_core.fault_plan import ENV
+
+        # before any engine starts, so that every engine process inherits it (see fault_plan)
+        os.environ.setdefault(ENV, os.path.join(tempfile.gettempdir(), f"rlinfer-fault-plan-{os.getpid()}.json"))
 
         profile = config.getoption("--rlinfer-profile")
         settings.load_profile(profile)

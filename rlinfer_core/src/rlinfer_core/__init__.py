@@ -15,6 +15,7 @@ from rlinfer_core.errors import (
     RLInferError,
     UnsupportedCapability,
     WeightUpdateError,
+    WeightVerificationError,
 )
 from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.model_info import ModelInfo
@@ -84,6 +85,7 @@ __all__ = [
     "WeightUpdate",
     "WeightVerification",
     "WeightUpdateError",
+    "WeightVerificationError",
     "discover",
     "get_backend",
     "hookimpl",

@@ -30,6 +30,10 @@ class WeightChecksum:
     dtype: str  #: the dtype the engine holds the tensor in (torch name without ``torch.``)
     shape: tuple[int, ...] = attrs.field(converter=v.ints)
     digest: str  #: blake2b-128 hex digest of the tensor's bytes, row-major, in ``dtype``
+    #: the engine serves the trainer's tensor plus this constant (e.g. SGLang's Gemma stores its
+    #: RMSNorm weights as ``1 + w``): the trainer's tensor is compared after the same addition,
+    #: in ``dtype``, so the comparison stays bit for bit
+    added: float = 0.0
 
 
 @attrs.frozen
@@ -46,15 +50,18 @@ class WeightVerification:
         return not self.mismatched and not self.missing
 
 
-def tensor_checksum(tensor: torch.Tensor, dtype: str | None = None) -> WeightChecksum:
-    """Checksum of ``tensor`` cast to ``dtype`` (default: its own dtype)."""
+def tensor_checksum(tensor: torch.Tensor, dtype: str | None = None, added: float = 0.0) -> WeightChecksum:
+    """Checksum of ``tensor`` cast to ``dtype`` (default: its own dtype), plus ``added`` (see
+    :attr:`WeightChecksum.added`; the engine reports its served tensor with ``added=0``)."""
     import torch
 
     target = getattr(torch, dtype) if dtype else tensor.dtype
     data = tensor.detach().to(device="cpu", dtype=target).contiguous()
+    if added:
+        data = data + added
     raw = data.reshape(-1).view(torch.uint8) if data.numel() else data.reshape(-1)
     digest = hashlib.blake2b(raw.numpy().tobytes(), digest_size=16).hexdigest()
-    return WeightChecksum(str(target).removeprefix("torch."), tuple(tensor.shape), digest)
+    return WeightChecksum(str(target).removeprefix("torch."), tuple(tensor.shape), digest, added)
 
 
 def verify(
@@ -79,6 +86,6 @@ def verify(
             missing.append(served_name)
             continue
         checked.append(served_name)
-        if tensor_checksum(given[trainer_name], mine.dtype) != mine:
+        if tensor_checksum(given[trainer_name], mine.dtype, mine.added) != mine:
             mismatched.append(served_name)
     return WeightVerification(tuple(checked), tuple(mismatched), tuple(missing))

@@ -12,7 +12,14 @@ import attrs
 from rlinfer_core.backend import present
 from rlinfer_core.checksum import WeightChecksum, WeightVerification
 from rlinfer_core.engine_base import EngineBase
-from rlinfer_core.errors import EngineDead, EngineTimeout, InvalidRequest, WeightsNotLoaded, WeightUpdateError
+from rlinfer_core.errors import (
+    EngineDead,
+    EngineTimeout,
+    InvalidRequest,
+    WeightsNotLoaded,
+    WeightUpdateError,
+    WeightVerificationError,
+)
 from rlinfer_core.preflight import as_memory_tags, as_weight_update, transport_name, update_target
 from rlinfer_core.trainer_names import NameMap
 from rlinfer_core.types import Capability, GenerateRequest, MemoryTag
@@ -27,6 +34,10 @@ from rlinfer_core.weights import (
     WeightUpdate,
 )
 
+UNVERIFIED = (
+    "the last weight update was loaded but not served as sent (WeightVerificationError); load a full "
+    "update_weights (every name of weight_specs) before generating"
+)
 DISCARDED = (
     "the engine holds no valid weights (released with discard_weights=True, or started with "
     "load_format='dummy'); load a full update_weights (every name of weight_specs) before generating"
@@ -50,12 +61,32 @@ def source_names(source: WeightSource) -> list[str]:
             assert_never(source)
 
 
+def sent_tensors(source: NamedTensors | Buckets | CheckpointDir) -> list[tuple[str, Any]]:
+    """The tensors an update carried, as the trainer sent them (a checkpoint directory read
+    again; buckets unpacked to views of their data)."""
+    match source:
+        case NamedTensors():
+            return list(source.tensors)
+        case Buckets():
+            from rlinfer_core.transfer.buckets import unpack_all
+
+            return list(unpack_all(source.buckets, check=False))
+        case CheckpointDir():
+            from rlinfer_core.transfer.disk import read_tensors
+
+            return list(read_tensors(source.path))
+        case _:
+            assert_never(source)
+
+
 class EngineWeights(EngineBase):
     """Weight sync, integrity checks, prefix cache, memory release and bench baselines."""
 
     #: set by release_memory(discard_weights=True) and by a start with load_format="dummy" (see
     #: AsyncEngine.open), cleared by the next (full) weight update
     _discarded: bool = False
+    #: why generation is refused while ``_discarded``
+    _not_loaded_reason: str = DISCARDED
 
     # --- weight sync ---------------------------------------------------------------------------
 
@@ -105,8 +136,10 @@ class EngineWeights(EngineBase):
                 except Exception as exc:
                     await self._raise_if_dead(exc)
                     raise WeightUpdateError(f"backend {self.backend_name!r} failed to load the update: {exc}") from exc
+                await self._verify_update(update.source)
                 self._version = target
                 self._discarded = False
+                self._not_loaded_reason = DISCARDED
                 await self._reset_prefix_cache()
             except Exception as exc:
                 self._observers.emit(
@@ -163,6 +196,39 @@ class EngineWeights(EngineBase):
         pairs = tensors.items() if isinstance(tensors, Mapping) else tensors
         return self._trainer_names.to_checkpoint(pairs)
 
+    @property
+    def verifies_updates(self) -> bool:
+        """Whether every update is read back and compared (``EngineConfig.verify_updates`` on an
+        engine with ``weights.checksum``)."""
+        return self.config.verify_updates and self.capabilities.supports(Capability.WEIGHTS_CHECKSUM)
+
+    async def _verify_update(self, source: WeightSource) -> None:
+        """After a load: the engine's checksums of the updated tensors against the trainer's.
+
+        On a difference the engine serves neither policy: generation is refused until a full
+        update loads and verifies (WeightVerificationError). A broadcast's tensors never pass
+        through this process, so a broadcast update is verified only by ``verify_weights``.
+        """
+        if not self.verifies_updates or isinstance(source, BroadcastSource):
+            return
+        from rlinfer_core.checksum import verify
+
+        impl = present(self._checksum_impl, "rlinfer_weights_checksum", self.backend_name)
+        served = await self._with_timeout(
+            impl.rlinfer_weights_checksum(), self.config.request_timeout_s, "weights_checksum"
+        )
+        tied = self.model_info.tied_weights if self.model_info is not None else {}
+        result = verify(served, sent_tensors(source), tied)
+        if not result.ok:
+            self._discarded = True
+            self._not_loaded_reason = UNVERIFIED
+            raise WeightVerificationError(
+                f"the engine loaded the update but does not serve it as sent ({len(result.mismatched)} "
+                f"tensors differ, {len(result.missing)} not reported)",
+                result.mismatched,
+                result.missing,
+            )
+
     def _check_refill(self, source: WeightSource, base: int | None) -> None:
         """Refuse a delta for another base version, and anything but a full update while the
         weights are discarded."""
@@ -202,7 +268,7 @@ class EngineWeights(EngineBase):
     def _validate_request(self, request: GenerateRequest) -> None:
         super()._validate_request(request)
         if self._discarded:
-            raise WeightsNotLoaded(DISCARDED)
+            raise WeightsNotLoaded(self._not_loaded_reason)
 
     @property
     def broadcast_ranks(self) -> int:
@@ -237,7 +303,7 @@ class EngineWeights(EngineBase):
         if MemoryTag.WEIGHTS in self._released:
             raise InvalidRequest("engine_state", "weights are released; call resume_memory(['weights']) first")
         if self._discarded:
-            raise WeightsNotLoaded(DISCARDED)
+            raise WeightsNotLoaded(self._not_loaded_reason)
         return await self._with_timeout(
             impl.rlinfer_weights_checksum(), self.config.request_timeout_s, "weights_checksum"
         )

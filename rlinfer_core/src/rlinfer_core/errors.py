@@ -56,6 +56,30 @@ class WeightUpdateError(RLInferError):
         super().__init__(f"{message}{listed}{more}\nThe engine still serves the previous weights and version.")
 
 
+class WeightVerificationError(WeightUpdateError):
+    """The engine loaded an update but does not serve it exactly: its own checksums of the updated
+    tensors differ from the trainer's (``mismatched``) or were not reported (``missing``).
+
+    Raised by ``update_weights`` under ``EngineConfig.verify_updates``. The engine then serves
+    neither the old nor the new policy, so generation is refused (WeightsNotLoaded) until a full
+    update loads and verifies; the weight version is not advanced.
+    """
+
+    def __init__(self, message: str, mismatched: tuple[str, ...], missing: tuple[str, ...]) -> None:
+        self.mismatched = mismatched
+        self.missing = missing
+        problems = tuple(f"{n}: served bytes differ" for n in mismatched) + tuple(
+            f"{n}: not reported by the engine" for n in missing
+        )
+        self.problems = problems
+        listed = "".join(f"\n  - {p}" for p in problems[:20])
+        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+        RLInferError.__init__(
+            self,
+            f"{message}{listed}{more}\nGeneration is refused until a full update loads and verifies.",
+        )
+
+
 class WeightsNotLoaded(RLInferError):
     """The engine holds no valid weights: they were released with ``discard_weights=True``.
 

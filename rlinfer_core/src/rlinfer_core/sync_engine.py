@@ -163,6 +163,11 @@ class Engine:
         """See :meth:`AsyncEngine.verify_weights`."""
         return self._run(self.async_engine.verify_weights(tensors))
 
+    @property
+    def verifies_updates(self) -> bool:
+        """See :attr:`AsyncEngine.verifies_updates`."""
+        return self.async_engine.verifies_updates
+
     def checkpoint_names(self, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
         """See :meth:`AsyncEngine.checkpoint_names`."""
         return self.async_engine.checkpoint_names(tensors)

@@ -144,7 +144,8 @@ def _config(spec: TinyModelSpec, tokenizer: object) -> object:
                 **common,
             )
         case "gemma":
-            return transformers.GemmaConfig(tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh", **common)
+            # exact GeLU (the first Gemma release): SGLang's Gemma computes it whatever the config says
+            return transformers.GemmaConfig(tie_word_embeddings=True, hidden_activation="gelu", **common)
         case "mistral":
             return transformers.MistralConfig(tie_word_embeddings=False, sliding_window=None, **common)
         case "phi3":
@@ -153,9 +154,9 @@ def _config(spec: TinyModelSpec, tokenizer: object) -> object:
             return transformers.LlamaConfig(tie_word_embeddings=False, **common)
 
 
-def _randomise_biases_and_norms(model: object, std: float) -> None:
-    """Biases and norm weights away from their 0 and 1 starts; routers scaled up so that their
-    top-k choice is decisive (near-ties between experts would flip on rounding noise)."""
+def _randomise_biases_and_norms(model: object, std: float, norm_centre: float = 1.0) -> None:
+    """Biases and norm weights away from their 0 and ``norm_centre`` starts; routers scaled up so
+    that their top-k choice is decisive (near-ties between experts would flip on rounding noise)."""
     import torch
 
     with torch.no_grad():
@@ -163,7 +164,7 @@ def _randomise_biases_and_norms(model: object, std: float) -> None:
             if name.endswith(".bias"):
                 param.normal_(0.0, std)
             elif "norm" in name:
-                param.normal_(1.0, 0.1)
+                param.normal_(norm_centre, 0.1)
             elif name.endswith((".mlp.gate.weight", ".block_sparse_moe.gate.weight")):
                 param.normal_(0.0, 0.5)
 
@@ -212,7 +213,8 @@ def make_tiny_model(path: str | Path, seed: int = 0, spec: TinyModelSpec | None 
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config).to(getattr(torch, spec.dtype))
         if spec.architecture != "llama":  # the llama weights stay as earlier releases made them
-            _randomise_biases_and_norms(model, spec.init_std)
+            # Gemma scales by 1 + w: its norms start at 0 so that the served scale is near 1 as elsewhere
+            _randomise_biases_and_norms(model, spec.init_std, 0.0 if spec.architecture == "gemma" else 1.0)
     finally:
         torch.random.set_rng_state(generator_state)
     model.save_pretrained(out, safe_serialization=True)

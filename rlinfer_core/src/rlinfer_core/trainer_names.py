@@ -111,9 +111,8 @@ def _trainer_name(checkpoint_name: str) -> str:
     return ".".join(MODULE_RENAMES.get(p, p) for p in parts)
 
 
-def name_map(specs: Mapping[str, TensorSpec] | Iterable[str]) -> NameMap:
-    """The trainer names of a checkpoint whose tensors are ``specs`` (empty for dense layouts)."""
-    names = list(specs)
+def expert_groups(names: Iterable[str]) -> list[ExpertGroup]:
+    """The MoE layers among checkpoint tensor ``names``, each with its experts' projection names."""
     projections: dict[str, set[str]] = {}
     counts: dict[str, int] = {}
     for name in names:
@@ -122,13 +121,21 @@ def name_map(specs: Mapping[str, TensorSpec] | Iterable[str]) -> NameMap:
             prefix = match["prefix"]
             projections.setdefault(prefix, set()).add(match["projection"])
             counts[prefix] = max(counts.get(prefix, 0), int(match["index"]) + 1)
-    fused: dict[str, tuple[ExpertGroup, str]] = {}
+    groups = []
     for prefix, seen in projections.items():
         for gate, up, down in EXPERT_PROJECTIONS:
             if seen == {gate, up, down}:
-                group = ExpertGroup(prefix, counts[prefix], gate, up, down)
-                trainer_prefix = _trainer_name(prefix)
-                fused[f"{trainer_prefix}.{FUSED_GATE_UP}"] = (group, "gate_up")
-                fused[f"{trainer_prefix}.{FUSED_DOWN}"] = (group, "down")
+                groups.append(ExpertGroup(prefix, counts[prefix], gate, up, down))
+    return groups
+
+
+def name_map(specs: Mapping[str, TensorSpec] | Iterable[str]) -> NameMap:
+    """The trainer names of a checkpoint whose tensors are ``specs`` (empty for dense layouts)."""
+    names = list(specs)
+    fused: dict[str, tuple[ExpertGroup, str]] = {}
+    for group in expert_groups(names):
+        trainer_prefix = _trainer_name(group.prefix)
+        fused[f"{trainer_prefix}.{FUSED_GATE_UP}"] = (group, "gate_up")
+        fused[f"{trainer_prefix}.{FUSED_DOWN}"] = (group, "down")
     renamed = {_trainer_name(n): n for n in names if _trainer_name(n) != n and _EXPERT.match(n) is None}
     return NameMap(renamed, fused)

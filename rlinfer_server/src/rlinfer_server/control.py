@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import attrs
 from fastapi import APIRouter, Depends, Request
 
 from rlinfer_core.errors import InvalidRequest, WeightUpdateError
@@ -129,9 +130,7 @@ async def weight_version(request: Request) -> dict[str, Any]:
 async def weights_checksum(request: Request) -> dict[str, Any]:
     """Checksums of the served tensors (computed inside the engine), by HF name."""
     sums = await _state(request).engine.weights_checksum()
-    return {
-        "checksums": {name: {"dtype": c.dtype, "shape": list(c.shape), "digest": c.digest} for name, c in sums.items()}
-    }
+    return {"checksums": {name: attrs.asdict(c) for name, c in sums.items()}}
 
 
 @router.get("/info")

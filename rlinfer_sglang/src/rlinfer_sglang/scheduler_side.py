@@ -31,11 +31,14 @@ import json
 import sys
 import time
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+
+    from rlinfer_core.checksum import WeightChecksum
 
 CONTROL = "__rlinfer_control__"
 
@@ -184,18 +187,64 @@ def _served(model: Any, params: dict[str, Any], name: str, shapes: dict[str, lis
     return tensor if list(tensor.shape) == shape else None
 
 
+#: model classes whose ``load_weights`` stores RMSNorm weights as ``1 + w`` (SGLang's Gemma)
+PLUS_ONE_NORMS = frozenset({"GemmaForCausalLM"})
+
+
+def _served_experts(params: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """HF name -> the expert weight SGLang serves, from each MoE layer's fused ``w13_weight``
+    ``[E, 2I, H]`` (gate rows, then up rows) and ``w2_weight`` ``[E, H, I]``."""
+    from rlinfer_core.trainer_names import expert_groups
+
+    out: dict[str, Any] = {}
+    for group in expert_groups(names):
+        w13, w2 = params.get(f"{group.prefix}.w13_weight"), params.get(f"{group.prefix}.w2_weight")
+        if w13 is None or w2 is None or w13.shape[0] != group.count or w2.shape[0] != group.count:
+            continue
+        size = int(w13.shape[1]) // 2
+        for index in range(group.count):
+            out[group.name(index, group.gate)] = w13[index, :size]
+            out[group.name(index, group.up)] = w13[index, size:]
+            out[group.name(index, group.down)] = w2[index]
+    return out
+
+
 def _checksums(model: Any, specs: list[list[Any]]) -> dict[str, list[Any]]:
+    """[dtype, shape, digest, added] of every spec name the engine serves (see
+    :class:`rlinfer_core.checksum.WeightChecksum`); read by :func:`served_checksums`."""
     from rlinfer_core.checksum import tensor_checksum
 
     params = dict(model.named_parameters())
     shapes = {name: list(shape) for name, shape in specs}
+    experts = _served_experts(params, list(shapes))
+    plus_one = type(model).__name__ in PLUS_ONE_NORMS
     out = {}
     for name in shapes:
-        tensor = _served(model, params, name, shapes)
+        tensor = experts.get(name)
+        if tensor is None or list(tensor.shape) != shapes[name]:
+            tensor = _served(model, params, name, shapes)
         if tensor is not None:
+            added = 1.0 if plus_one and name.endswith("norm.weight") else 0.0
             c = tensor_checksum(tensor)
-            out[name] = [c.dtype, list(c.shape), c.digest]
+            out[name] = [c.dtype, list(c.shape), c.digest, added]
     return out
+
+
+def served_checksums(outcome: dict[str, Any]) -> dict[str, WeightChecksum]:
+    """The checksum op's outcome as checksums by HF name."""
+    from rlinfer_core.checksum import WeightChecksum
+
+    return {
+        name: WeightChecksum(d, tuple(shape), digest, added)
+        for name, (d, shape, digest, added) in outcome["checksums"].items()
+    }
+
+
+def _private_vectors(tensors: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """One-dimensional tensors (norms, biases: tiny) copied, because a model's loader may change
+    what it is given in place (SGLang's Gemma adds 1 to its norm weights), and a tensor shared by
+    the trainer (shared memory, CUDA IPC) is the trainer's own parameter."""
+    return [(name, t.clone() if t.dim() <= 1 else t) for name, t in tensors]
 
 
 def load(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
@@ -215,7 +264,9 @@ def load(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
             tensors = _gather(model, control, list(named_tensors[1:]))
             outcome["map_s"] = time.perf_counter() - started
             outcome["loaded"] = True  # from here on a failure may leave a partial update
-            model.load_weights(tensors)
+            from rlinfer_core.fault_plan import planted
+
+            model.load_weights(_private_vectors(planted(tensors)))
             if _device(model).type == "cuda":
                 import torch
 

@@ -95,7 +95,8 @@ def _exact_base(dtype: torch.dtype) -> int:
 def _pack(tensor: torch.Tensor, isa: str) -> torch.Tensor:
     from vllm._custom_ops import cpu_prepack_moe_weight
 
-    return cpu_prepack_moe_weight(tensor.contiguous(), isa)
+    packed: torch.Tensor = cpu_prepack_moe_weight(tensor.contiguous(), isa)
+    return packed
 
 
 def _unpack(packed: torch.Tensor, isa: str) -> torch.Tensor | None:

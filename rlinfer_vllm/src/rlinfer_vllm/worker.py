@@ -306,8 +306,11 @@ class RLInferWorkerExtension:
         (``map_s``: mapping, reading or receiving) and loading them (``load_s``, checks included);
         ``fast_load``: 1.0 where one batched copy loaded them (:mod:`rlinfer_vllm.fast_load`), with
         ``fast_plan_s``, the time spent finding the parameter slices (0 once cached)."""
+        from rlinfer_core.fault_plan import planted
+
         started = time.perf_counter()
         self._rlinfer_check(tensors)
+        tensors = planted(tensors)
         fast = getattr(self, "_rlinfer_fast", None)
         timings: dict[str, float] = {"tensors": len(tensors), "map_s": map_s}
         if self._rlinfer_shadow is None:

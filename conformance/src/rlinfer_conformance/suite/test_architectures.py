@@ -21,7 +21,7 @@ from rlinfer_conformance.world import BASE, OTHER, EventRecorder, KitWorld, defa
 from rlinfer_core.tiny_model import ARCHITECTURES
 from rlinfer_core.types import Capability
 
-__all__ = ["rlinfer_arch_world", "test_architecture_parity_and_updates"]
+__all__ = ["rlinfer_arch_world", "test_architecture_parity_and_updates", "test_architecture_planted_fault"]
 
 #: the kit's main engine serves this one
 MAIN_ARCHITECTURE = "llama"
@@ -86,3 +86,46 @@ def test_architecture_parity_and_updates(rlinfer_arch_world: KitWorld) -> None:
         world.generate_and_check(f"{arch}/after_update_{name}_v{version}")
         version = world.update(transport, BASE)
         world.generate_and_check(f"{arch}/after_update_back_{name}_v{version}")
+
+
+def _fault_target(world: KitWorld) -> str:
+    """One expert's weight on a mixture of experts, else a norm: what loaders get wrong."""
+    names = sorted(world.engine.weight_specs)
+    experts = [n for n in names if ".experts." in n]
+    return (experts or [n for n in names if "norm" in n])[0]
+
+
+@pytest.mark.hooks("rlinfer_update_weights", "rlinfer_weights_checksum")
+def test_architecture_planted_fault(rlinfer_arch_world: KitWorld) -> None:
+    """An update the engine loads wrongly (a fault planted in its own loader) fails typed, the
+    version stays, generation is refused until a full update lands, and then parity holds."""
+    import json
+    import os
+
+    from rlinfer_core.errors import WeightsNotLoaded, WeightUpdateError, WeightVerificationError
+    from rlinfer_core.fault_plan import ENV
+    from rlinfer_core.types import GenerateRequest, SamplingParams
+
+    world = rlinfer_arch_world
+    if not world.engine.verifies_updates:
+        pytest.skip("updates are verified only where weights.checksum is claimed")
+    target = _fault_target(world)
+    plan = os.environ[ENV]
+    before = world.engine.weight_version
+    with open(plan, "w") as out:
+        json.dump({"corrupt": [target]}, out)
+    try:
+        with pytest.raises(WeightVerificationError) as caught:
+            world.engine.update_weights(world.source(Capability.WEIGHTS_TENSORS, OTHER))
+    finally:
+        os.remove(plan)
+    assert target in caught.value.mismatched, caught.value
+    assert world.engine.weight_version == before
+    request = GenerateRequest(prompt_token_ids=[5, 6, 7], sampling=SamplingParams(max_tokens=2))
+    with pytest.raises(WeightsNotLoaded):
+        world.engine.generate([request])
+    base = dict(world.engine.checkpoint_names(world.oracle.named_parameters(BASE)))
+    with pytest.raises(WeightUpdateError):  # a partial update cannot repair it
+        world.engine.update_weights({target: base[target]})
+    world.update(Capability.WEIGHTS_TENSORS, BASE)
+    world.generate_and_check(f"{world.architecture}/after_planted_fault")

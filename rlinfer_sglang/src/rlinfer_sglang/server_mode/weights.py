@@ -256,15 +256,14 @@ class ServerWeights(InFlight):
     @hookimpl
     async def rlinfer_weights_checksum(self) -> Mapping[str, WeightChecksum]:
         """Checksums computed in the scheduler over the served parameters, by HF name."""
-        from rlinfer_core.checksum import WeightChecksum
+        from rlinfer_sglang.scheduler_side import served_checksums
 
         self._caps.require(Capability.WEIGHTS_CHECKSUM)
         specs = [[name, list(spec.shape)] for name, spec in self._specs.items()]
         if "lm_head.weight" not in self._specs and "model.embed_tokens.weight" in self._specs:
             specs.append(["lm_head.weight", list(self._specs["model.embed_tokens.weight"].shape)])
         outcome = await self._scheduler_op({"op": "checksum", "specs": specs}, flush=False)
-        found = outcome["checksums"].items()
-        return {name: WeightChecksum(dtype, tuple(shape), digest) for name, (dtype, shape, digest) in found}
+        return served_checksums(outcome)
 
     @hookimpl
     async def rlinfer_init_weight_broadcast(self, group: BroadcastGroup) -> None:
