@@ -29,6 +29,7 @@ base85 for bytes) cheaply and compares by value; :meth:`RoutedExperts.array` giv
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -122,6 +123,7 @@ def aligned(rows: Any, start: int, num_tokens: int, num_layers: int, top_k: int)
     return RoutedExperts.from_array(out)
 
 
+@functools.lru_cache(maxsize=64)
 def moe_shape(model: str) -> tuple[int, int] | None:
     """``(num_hidden_layers, num_experts_per_tok)`` of an MoE model directory, None when the
     model has no routed experts (or its config.json cannot be read)."""

@@ -37,6 +37,7 @@ from rlinfer_sglang.agent import AgentHooks
 from rlinfer_sglang.capabilities import (
     OVERLAP_NOTE,
     PAUSE_KEEP_OLD_SGLANG_NOTE,
+    ROUTES_OFF_NOTE,
     capabilities,
     installed_platform,
     installed_version,
@@ -179,6 +180,12 @@ class SGLangBackend(Supervision, Generation, Memory, AgentHooks):
             off[Capability.SAMPLING_PENALTIES] = OVERLAP_NOTE
         if flush_needs_idle():
             off[Capability.PAUSE_KEEP] = PAUSE_KEEP_OLD_SGLANG_NOTE
+        if not getattr(getattr(self._tm, "server_args", None), "enable_return_routed_experts", False):
+            off[Capability.GENERATE_ROUTED_EXPERTS] = (
+                "the model has no routed experts (or no local config.json)"
+                if self.config.enable_routed_experts
+                else ROUTES_OFF_NOTE
+            )
         return self._caps.without(off)
 
     @hookimpl

@@ -145,7 +145,23 @@ DETERMINISTIC_CUDA_NOTE = (
     "Sampler.forward), so a greedy request's logprobs depend on its neighbours"
 )
 
+ROUTES_CPU_NOTE = (
+    "SGLang's routed-experts capture (--enable-return-routed-experts, per request return_routed_experts); "
+    "needs EngineConfig(enable_routed_experts=True) and an MoE model. On CPU rlinfer allocates SGLang's "
+    "host routing buffer unpinned in the scheduler (SGLang pins it with cudaHostRegister, which CPU "
+    "torch lacks: rlinfer_sglang.cpu_routes)"
+)
+ROUTES_CUDA_NOTE = (
+    "not claimed: SGLang's capture is mapped (EngineConfig.enable_routed_experts), but the kit's "
+    "routing test has not run on a GPU"
+)
+ROUTES_OFF_NOTE = (
+    "the engine was started without routed-experts capture: open it with "
+    "EngineConfig(enable_routed_experts=True) on an MoE model"
+)
+
 CPU_NOTES = {
+    Capability.GENERATE_ROUTED_EXPERTS.value: ROUTES_CPU_NOTE,
     Capability.DETERMINISTIC.value: DETERMINISTIC_CPU_NOTE,
     Capability.MEMORY_RELEASE.value: (
         "SGLang on CPU frees nothing: release/resume_memory_occupation run but keep every byte, "
@@ -159,6 +175,7 @@ CPU_NOTES = {
 }
 
 CUDA_NOTES = {
+    Capability.GENERATE_ROUTED_EXPERTS.value: ROUTES_CUDA_NOTE,
     Capability.DETERMINISTIC.value: DETERMINISTIC_CUDA_NOTE,
     Capability.MEMORY_RELEASE.value: (
         "SGLang torch_memory_saver (weights backed up to a pinned host buffer that is kept between "
@@ -245,7 +262,7 @@ def capabilities(
     ranks (EngineConfig.world_size; checksums need one).
     """
     if platform == "cpu":
-        supported_cpu = set(COMMON | SAMPLING | AGENT_CPU)
+        supported_cpu = set(COMMON | SAMPLING | AGENT_CPU) | {Capability.GENERATE_ROUTED_EXPERTS}
         if tensor_parallel_size == 1:
             supported_cpu.add(Capability.WEIGHTS_CHECKSUM)
         notes_cpu = {

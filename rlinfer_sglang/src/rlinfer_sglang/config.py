@@ -25,6 +25,7 @@ enable_prefix_caching=False    disable_radix_cache=True
 enable_memory_release (CUDA)   enable_memory_saver=True, enable_weights_cpu_backup=True
 enforce_eager                  disable_cuda_graph=True
 deterministic                  enable_deterministic_inference=True
+enable_routed_experts (MoE)    enable_return_routed_experts=True (on CPU: see cpu_routes)
 engine_kwargs                  passed through unchanged (they win)
 =============================  ===============================================================
 
@@ -44,6 +45,7 @@ from typing import Any
 
 from rlinfer_core import parallel
 from rlinfer_core.errors import BackendLoadError, InvalidRequest
+from rlinfer_core.routing import moe_shape
 from rlinfer_core.types import EngineConfig
 from rlinfer_sglang.capabilities import BACKEND, PARALLEL_UNSUPPORTED, Platform
 
@@ -187,10 +189,18 @@ def server_args(config: EngineConfig, platform: Platform) -> dict[str, Any]:
     elif config.enable_memory_release:
         # without the CPU backup SGLang's resumed weights are garbage (measured on H100)
         args.update(enable_memory_saver=True, enable_weights_cpu_backup=True)
+    routes = config.enable_routed_experts and moe_shape(config.model) is not None
+    if routes:
+        args["enable_return_routed_experts"] = True
     args.update(config.engine_kwargs)
     loaders = list(args.get("custom_weight_loader") or [])
     if WEIGHT_LOADER not in loaders:
-        args["custom_weight_loader"] = [*loaders, WEIGHT_LOADER]
+        loaders.append(WEIGHT_LOADER)
+    if routes and platform == "cpu":
+        from rlinfer_sglang.cpu_routes import LoaderName
+
+        loaders = [LoaderName(name) if name == WEIGHT_LOADER else name for name in loaders]
+    args["custom_weight_loader"] = loaders
     return args
 
 

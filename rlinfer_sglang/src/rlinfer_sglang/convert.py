@@ -8,6 +8,7 @@ from typing import Any
 
 import attrs
 
+from rlinfer_core.routing import RoutedExperts, aligned
 from rlinfer_core.types import Completion, CompletionDelta, FinishReason, GenerateRequest, LogprobsMode
 from rlinfer_sglang.agent import structured_params
 
@@ -273,3 +274,19 @@ async def with_raw_logprobs(
         tops = top if samples[k][0].sampling.logprobs else out[k].top_logprobs
         out[k] = attrs.evolve(out[k], logprobs=lps, top_logprobs=tops)
     return out
+
+
+def routed_experts(
+    request: GenerateRequest, meta: Mapping[str, Any], num_tokens: int, shape: tuple[int, int] | None
+) -> RoutedExperts | None:
+    """The routes of one output in rlinfer's alignment (:mod:`rlinfer_core.routing`): SGLang's
+    ``meta_info.routed_experts`` is base64 int32, rows for positions ``[0, prompt + output - 1)``."""
+    encoded = meta.get("routed_experts")
+    if not request.sampling.return_routed_experts or shape is None:
+        return None
+    import base64
+
+    import numpy as np
+
+    rows = np.frombuffer(base64.b64decode(encoded), dtype=np.int32) if encoded else np.zeros(0, np.int32)
+    return aligned(rows, 0, num_tokens, *shape)

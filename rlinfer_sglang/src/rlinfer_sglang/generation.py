@@ -15,6 +15,7 @@ from rlinfer_core.chat_template import prompt_ids
 from rlinfer_core.errors import RLInferError
 from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.merge import merge
+from rlinfer_core.routing import moe_shape
 from rlinfer_core.types import (
     Completion,
     CompletionDelta,
@@ -77,7 +78,10 @@ class Generation(InFlight):
         for k, (r, i, ids) in enumerate(samples):
             if k in outs:
                 c = convert.completion(r, i, ids, outs[k], latency)
-                c = attrs.evolve(c, token_versions=self._versions.of(rids[k], len(c.token_ids)))
+                routes = convert.routed_experts(
+                    r, outs[k].get("meta_info") or {}, len(ids) + len(c.token_ids), self._route_shape()
+                )
+                c = attrs.evolve(c, token_versions=self._versions.of(rids[k], len(c.token_ids)), routed_experts=routes)
             else:
                 c = convert.aborted_before_output(r, i, ids, latency)
             completions.append(c)
@@ -96,6 +100,8 @@ class Generation(InFlight):
             input_ids=[ids for _, _, ids in samples],
             sampling_params=[self._params(r, ids) for r, _, ids in samples],
             rid=rids,
+            # one flag for the whole batch in SGLang; routes are kept only where asked
+            return_routed_experts=any(r.sampling.return_routed_experts for r, _, _ in samples),
             **{key: [a[key] for a in args] for key in args[0]},
         )
         return self._tm.generate_request(obj, None).__anext__()
@@ -144,6 +150,10 @@ class Generation(InFlight):
             raise RLInferError(f"SGLang scored {len(values)} of {want} tokens for raw logprobs")
         return tuple(values), tops
 
+    def _route_shape(self) -> tuple[int, int] | None:
+        """(layers, top_k) of the served MoE model's routes; None for a dense model."""
+        return moe_shape(self.config.model)
+
     def _params(self, request: GenerateRequest, ids: list[int]) -> dict[str, Any]:
         assert self._info is not None
         return convert.sampling_params(request, len(ids), self._max_len(), self._info.vocab_size)
@@ -170,6 +180,7 @@ class Generation(InFlight):
             sampling_params=params,
             rid=rid,
             stream=stream,
+            return_routed_experts=request.sampling.return_routed_experts,
             **convert.logprob_args(request, self._processor()),
         )
         generator = self._tm.generate_request(obj, None)
