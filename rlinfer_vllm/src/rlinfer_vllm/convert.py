@@ -14,6 +14,7 @@ import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from rlinfer_core.routing import RoutedExperts, aligned
 from rlinfer_core.structured import StructuredKind, StructuredOutput
 from rlinfer_core.types import (
     Completion,
@@ -150,9 +151,19 @@ def completions(request: GenerateRequest, out: RequestOutput, latency_s: float) 
                 prompt_logprobs=prompt_lps,
                 text=o.text,
                 latency_s=latency_s,
+                routed_experts=_routes(request, o, len(prompt_ids)),
             )
         )
     return result
+
+
+def _routes(request: GenerateRequest, o: CompletionOutput, prompt_len: int) -> RoutedExperts | None:
+    """vLLM's ``routed_experts`` ([prompt + output - 1, layers, top_k], positions from 0) in
+    rlinfer's alignment (:mod:`rlinfer_core.routing`); None unless the request asked."""
+    rows = getattr(o, "routed_experts", None)
+    if not request.sampling.return_routed_experts or rows is None:
+        return None
+    return aligned(rows, 0, prompt_len + len(o.token_ids), int(rows.shape[1]), int(rows.shape[2]))
 
 
 def aborted_before_output(request: GenerateRequest, prompt_ids: list[int], latency_s: float) -> list[Completion]:
