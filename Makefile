@@ -8,7 +8,7 @@ VENVS := .venvs
 DEMO_BACKEND ?= vllm
 DEMO_OUT ?= out/demo
 
-.PHONY: env-core env-vllm env-sglang envs demo test lint typecheck test-core test-vllm test-sglang test-ray test-ray-sglang test-server test-wheels test-vllm-server test-vllm-server-ci test-sglang-server test-sglang-server-ci test-sglang-tp2 test-vllm-tp2 thorough clean-envs
+.PHONY: env-core env-vllm env-sglang envs demo test lint typecheck test-core test-vllm test-sglang test-ray test-ray-sglang test-server test-wheels test-vllm-server test-vllm-server-ci test-sglang-server test-sglang-server-ci test-sglang-tp2 test-vllm-tp2 test-vllm-architectures test-sglang-architectures thorough clean-envs
 
 env-core: $(VENVS)/core/.built
 env-vllm: $(VENVS)/vllm/.built
@@ -37,13 +37,26 @@ typecheck: env-core
 test-core: env-core
 	$(VENVS)/core/bin/python -m pytest tests/core -q -p no:rlinfer
 
+# the per-architecture tests (parity, updates over every transport, checksums, a planted loader
+# fault) run on a few layouts in `make test`; `make thorough` runs every one (test-*-architectures)
+VLLM_CI_ARCHITECTURES := qwen2,qwen3_moe,gemma
+SGLANG_CI_ARCHITECTURES := qwen3,qwen3_moe,gemma
+
 test-vllm: env-vllm
-	$(VENVS)/vllm/bin/python -m pytest tests/backends/test_vllm_conformance.py tests/backends/vllm -q --rlinfer-backend vllm --rlinfer-report out/conformance-vllm.json
+	$(VENVS)/vllm/bin/python -m pytest tests/backends/test_vllm_conformance.py tests/backends/vllm -q --rlinfer-backend vllm --rlinfer-architectures $(VLLM_CI_ARCHITECTURES) --rlinfer-report out/conformance-vllm.json
 	# vLLM serves LoRA only on an engine started with it: the kit's LoRA tests on a second engine (~1 min)
 	$(VENVS)/vllm/bin/python -m pytest tests/backends/test_vllm_conformance.py -q -k lora --rlinfer-backend vllm --rlinfer-engine-arg enable_lora=true --rlinfer-engine-arg max_lora_rank=8 --rlinfer-report out/conformance-vllm-lora.json
 
 test-sglang: env-sglang
-	$(VENVS)/sglang/bin/python -m pytest tests/backends/test_sglang_conformance.py tests/backends/sglang -q --rlinfer-backend sglang --rlinfer-report out/conformance-sglang.json
+	$(VENVS)/sglang/bin/python -m pytest tests/backends/test_sglang_conformance.py tests/backends/sglang -q --rlinfer-backend sglang --rlinfer-architectures $(SGLANG_CI_ARCHITECTURES) --rlinfer-report out/conformance-sglang.json
+
+# the architecture sweep: every layout of rlinfer_core.tiny_model.ARCHITECTURES on each backend
+# (~1 min per architecture on 2 cores)
+test-vllm-architectures: env-vllm
+	$(VENVS)/vllm/bin/python -m pytest tests/backends/test_vllm_conformance.py -q -p no:cacheprovider --rlinfer-backend vllm -k architecture --rlinfer-report out/conformance-vllm-architectures.json
+
+test-sglang-architectures: env-sglang
+	$(VENVS)/sglang/bin/python -m pytest tests/backends/test_sglang_conformance.py -q -p no:cacheprovider --rlinfer-backend sglang -k architecture --rlinfer-report out/conformance-sglang-architectures.json
 
 # the kit against the vLLM backend in server mode: a real `vllm serve` child process driven over
 # HTTP (main engine, two extra architectures, fault matrix)
@@ -84,7 +97,7 @@ test-vllm-tp2: env-vllm
 # of two replicas for each backend (rlinfer conformance --backend X --replicas 2). The kit's
 # extra-architecture tests open single engines of their own (not the pool) and ran in
 # test-vllm/test-sglang already: deselected here to keep CI time down (~7 min on 2 cores).
-POOL_KIT_SKIP := -k "not test_architecture_parity_and_updates"
+POOL_KIT_SKIP := -k "not test_architecture_"
 # Ray's local cluster is stopped whatever the outcome, so no Ray process outlives the target.
 RAY_STOP := trap '$(VENVS)/vllm/bin/ray stop --force >/dev/null 2>&1 || true' EXIT;
 # CI: the pool tests and the kit against a vLLM pool; the SGLang pool kit runs in `make thorough`.
@@ -107,7 +120,7 @@ test-wheels:
 test: lint typecheck test-core test-wheels test-vllm test-vllm-server-ci test-sglang test-sglang-server-ci test-sglang-tp2 test-vllm-tp2 test-ray test-server
 
 # slower checks, not in `make test`: the kit in vLLM server mode alone takes ~15-25 min on 2 shared cores
-thorough: test test-vllm-server test-sglang-server test-ray-sglang
+thorough: test test-vllm-server test-sglang-server test-ray-sglang test-vllm-architectures test-sglang-architectures
 
 clean-envs:
 	rm -rf $(VENVS)

@@ -72,6 +72,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="N > 1: run the kit against an rlinfer-ray EnginePool of N replicas (needs rlinfer-ray)",
     )
     group.addoption(
+        "--rlinfer-architectures",
+        default=None,
+        metavar="A,B,...",
+        help="run the per-architecture tests on these architectures only (default: every one of "
+        "rlinfer_core.tiny_model.ARCHITECTURES); others are deselected",
+    )
+    group.addoption(
         "--rlinfer-profile",
         default=os.environ.get("RLINFER_HYPOTHESIS_PROFILE", "ci"),
         choices=PROFILES,
@@ -118,11 +125,33 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(skip)
         return
     items.sort(key=lambda it: it.get_closest_marker("rlinfer_last") is not None)
+    _select_architectures(config, items)
     if config.getoption("--rlinfer-replicas") > 1:  # a pool: this test opens and kills single engines
         pool_skip = pytest.mark.skip(reason="kills single engines of its own; pool replica deaths: tests/ray")
         for item in items:
             if item.name == "test_each_engine_process_killed_in_turn":
                 item.add_marker(pool_skip)
+
+
+def _select_architectures(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect per-architecture tests outside ``--rlinfer-architectures``."""
+    from rlinfer_core.tiny_model import ARCHITECTURES
+
+    chosen = config.getoption("--rlinfer-architectures")
+    if not chosen:
+        return
+    wanted = {a.strip() for a in chosen.split(",") if a.strip()}
+    unknown = wanted - set(ARCHITECTURES)
+    if unknown:
+        raise pytest.UsageError(f"--rlinfer-architectures: unknown {sorted(unknown)}; known: {list(ARCHITECTURES)}")
+    keep, drop = [], []
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        arch = callspec.params.get("rlinfer_arch_world") if callspec is not None else None
+        (drop if arch is not None and arch not in wanted else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 @pytest.hookimpl(wrapper=True)

@@ -122,6 +122,35 @@ def _accepts(name: str) -> bool:
     return name in inspect.signature(ServerArgs).parameters  # a dataclass or a msgspec Struct
 
 
+#: model classes SGLang cannot run on a platform, and why (found by the kit's architecture sweep)
+UNSERVABLE_ARCHITECTURES: dict[Platform, dict[str, str]] = {
+    "cpu": {
+        "Qwen2MoeForCausalLM": (
+            "SGLang 0.5.23's Qwen2-MoE gates its shared expert with a Triton-only kernel "
+            "(fused_gate_sigmoid_mul_add) that has no CPU driver: the scheduler dies at the first "
+            "forward pass"
+        ),
+    },
+    "cuda": {},
+}
+
+
+def refuse_unservable_architecture(model: str, platform: Platform) -> None:
+    """UnsupportedCapability (``generate``) for a model whose class SGLang cannot run here."""
+    import json
+    from pathlib import Path
+
+    from rlinfer_core.errors import UnsupportedCapability
+
+    config_file = Path(model) / "config.json"
+    if not config_file.is_file():
+        return  # a hub id or an unusual layout: SGLang reads it and reports for itself
+    for architecture in json.loads(config_file.read_text()).get("architectures") or ():
+        reason = UNSERVABLE_ARCHITECTURES[platform].get(architecture)
+        if reason is not None:
+            raise UnsupportedCapability("generate", BACKEND, f"{architecture} on {platform}: {reason}")
+
+
 def server_args(config: EngineConfig, platform: Platform) -> dict[str, Any]:
     """SGLang ``Engine(**kwargs)`` arguments for ``config`` on ``platform``."""
     if platform == "cuda" and config.dtype == "float32":
@@ -130,6 +159,7 @@ def server_args(config: EngineConfig, platform: Platform) -> dict[str, Any]:
             "dtype", "SGLang's CUDA kernels (sgl_kernel's RMSNorm) have no float32: use bfloat16 or float16"
         )
     parallel.refuse_unsupported(config, BACKEND, PARALLEL_UNSUPPORTED[platform])
+    refuse_unservable_architecture(config.model, platform)
     args: dict[str, Any] = {
         "model_path": config.model,
         "tokenizer_path": config.tokenizer or config.model,
