@@ -144,7 +144,8 @@ def _select_architectures(config: pytest.Config, items: list[pytest.Item]) -> No
     unknown = wanted - set(ARCHITECTURES)
     if unknown:
         raise pytest.UsageError(f"--rlinfer-architectures: unknown {sorted(unknown)}; known: {list(ARCHITECTURES)}")
-    keep, drop = [], []
+    keep: list[pytest.Item] = []
+    drop: list[pytest.Item] = []
     for item in items:
         callspec = getattr(item, "callspec", None)
         arch = callspec.params.get("rlinfer_arch_world") if callspec is not None else None

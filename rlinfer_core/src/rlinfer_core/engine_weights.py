@@ -163,30 +163,10 @@ class EngineWeights(EngineBase):
         return name_map(self.weight_specs)
 
     def _under_checkpoint_names(self, source: WeightSource) -> WeightSource:
-        """A trainer's tensors under the checkpoint's names (transformers >= 5 fuses each MoE
-        layer's experts into one tensor per projection; see :mod:`rlinfer_core.trainer_names`)."""
-        names = self._trainer_names
-        if not names:
-            return source
-        match source:
-            case NamedTensors():
-                return NamedTensors(tuple(names.to_checkpoint(source.tensors)))
-            case Buckets():
-                return Buckets(
-                    tuple(attrs.evolve(b, manifest=names.manifest_to_checkpoint(b.manifest)) for b in source.buckets)
-                )
-            case CheckpointDir() | BroadcastSource():
-                trainer_only = [n for n in source_names(source) if n in names.fused or n in names.renamed]
-                if trainer_only:
-                    raise WeightUpdateError(
-                        f"{transport_name(source)} updates carry checkpoint names; these are a trainer's "
-                        "(transformers >= 5) names: convert them with engine.checkpoint_names(tensors) "
-                        "(or save with save_pretrained) first",
-                        tuple(f"{n}: trainer name" for n in trainer_only),
-                    )
-                return source
-            case _:
-                assert_never(source)
+        """A trainer's tensors under the checkpoint's names (see :mod:`rlinfer_core.trainer_names`)."""
+        from rlinfer_core.trainer_names import under_checkpoint_names
+
+        return under_checkpoint_names(source, self._trainer_names)
 
     def checkpoint_names(self, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
         """``tensors`` under the names of :attr:`weight_specs`: a transformers >= 5 model's fused

@@ -19,11 +19,21 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, assert_never
 
 import attrs
 
-from rlinfer_core.weights import BucketManifest, ManifestEntry, TensorSpec
+from rlinfer_core.errors import WeightUpdateError
+from rlinfer_core.weights import (
+    BroadcastSource,
+    BucketManifest,
+    Buckets,
+    CheckpointDir,
+    ManifestEntry,
+    NamedTensors,
+    TensorSpec,
+    WeightSource,
+)
 
 #: checkpoint module name -> its name in a transformers >= 5 model
 MODULE_RENAMES: Mapping[str, str] = {"block_sparse_moe": "mlp"}
@@ -139,3 +149,38 @@ def name_map(specs: Mapping[str, TensorSpec] | Iterable[str]) -> NameMap:
         fused[f"{trainer_prefix}.{FUSED_DOWN}"] = (group, "down")
     renamed = {_trainer_name(n): n for n in names if _trainer_name(n) != n and _EXPERT.match(n) is None}
     return NameMap(renamed, fused)
+
+
+def under_checkpoint_names(source: WeightSource, names: NameMap) -> WeightSource:
+    """``source`` with a trainer's tensors under checkpoint names: named tensors and buckets are
+    mapped; a checkpoint directory or a broadcast under trainer names is refused with a hint
+    (their tensors are read or received where the engine loads, after this process)."""
+    if not names:
+        return source
+    match source:
+        case NamedTensors():
+            return NamedTensors(tuple(names.to_checkpoint(source.tensors)))
+        case Buckets():
+            return Buckets(
+                tuple(attrs.evolve(b, manifest=names.manifest_to_checkpoint(b.manifest)) for b in source.buckets)
+            )
+        case CheckpointDir():
+            from rlinfer_core.transfer.disk import read_specs
+
+            _refuse_trainer_names("checkpoint directory", list(read_specs(source.path)), names)
+            return source
+        case BroadcastSource():
+            _refuse_trainer_names("broadcast", [s.name for s in source.specs], names)
+            return source
+        case _:
+            assert_never(source)
+
+
+def _refuse_trainer_names(transport: str, carried: list[str], names: NameMap) -> None:
+    trainer_only = [n for n in carried if n in names.fused or n in names.renamed]
+    if trainer_only:
+        raise WeightUpdateError(
+            f"{transport} updates carry checkpoint names; these are a trainer's (transformers >= 5) "
+            "names: convert them with engine.checkpoint_names(tensors) (or save with save_pretrained) first",
+            tuple(f"{n}: trainer name" for n in trainer_only),
+        )

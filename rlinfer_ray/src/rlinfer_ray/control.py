@@ -211,11 +211,13 @@ class ControlPlane:
     async def _update_locked(self, update: WeightUpdate) -> tuple[int, int]:
         import ray
 
+        from rlinfer_core.trainer_names import name_map, under_checkpoint_names
         from rlinfer_core.transfer.validate import validate_source
 
         target = update_target(update, self._version, self._caps(), self._released)
-        nbytes = validate_source(update.source, self._weight_specs)
-        source = update.source
+        source = under_checkpoint_names(update.source, name_map(self._weight_specs))
+        update = attrs.evolve(update, source=source)
+        nbytes = validate_source(source, self._weight_specs)
         if isinstance(source, BroadcastSource):
             members = self._broadcast_members()
             replay: Any = None
@@ -343,12 +345,19 @@ class ControlPlane:
             raise EngineDead("no replica of the pool is serving")
         return per
 
+    def checkpoint_names(self, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        """``tensors`` under the replicas' checkpoint names (see ``AsyncEngine.checkpoint_names``)."""
+        from rlinfer_core.trainer_names import name_map
+
+        pairs = tensors.items() if isinstance(tensors, Mapping) else tensors
+        return name_map(self._weight_specs).to_checkpoint(pairs)
+
     async def verify_weights(self, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> WeightVerification:
         """Compare every serving replica's weights with ``tensors``; the first mismatch, if any."""
         from rlinfer_core.checksum import verify
 
         self._caps().require(Capability.WEIGHTS_CHECKSUM)
-        pairs = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
+        pairs = self.checkpoint_names(tensors)
         per = await self._checksums()
         tied = getattr(getattr(self, "model_info", None), "tied_weights", None) or {}
         results = [verify(per[i], pairs, tied) for i in sorted(per)]
