@@ -23,12 +23,12 @@ from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.model_info import ModelInfo
 from rlinfer_core.server_child import HOST, launch
 from rlinfer_core.server_http import ServerClient
-from rlinfer_core.types import Capabilities, EngineConfig
+from rlinfer_core.types import Capabilities, Capability, EngineConfig
 from rlinfer_sglang.agent import AgentHooks
 from rlinfer_sglang.capabilities import capabilities, installed_platform, installed_version
 from rlinfer_sglang.config import WEIGHT_LOADER, resolve_platform, server_args
 from rlinfer_sglang.server_mode import convert as wire
-from rlinfer_sglang.server_mode.caps import server_capabilities
+from rlinfer_sglang.server_mode.caps import SERVER_ROUTES_NOTE, server_capabilities
 from rlinfer_sglang.server_mode.generation import Generation
 from rlinfer_sglang.server_mode.launch import SERVER_ROLE, make_server, role_of, server_argv, server_env
 from rlinfer_sglang.server_mode.memory import ServerMemory
@@ -57,7 +57,7 @@ class SGLangServerBackend(ServerMemory, Generation, AgentHooks):
             self.engine_version,
             config.enable_memory_release if self.platform == "cuda" else None,
             config.world_size,
-        )
+        ).without({Capability.GENERATE_ROUTED_EXPERTS: SERVER_ROUTES_NOTE})
         self._server = None
         self._http = None
         self._closed = False

@@ -22,6 +22,12 @@ SERVER_NOTES = {
     Capability.BENCH.value: "server mode: the raw baseline is the same batch through the server's own /generate",
 }
 
+SERVER_ROUTES_NOTE = (
+    "server mode: not implemented yet (SGLang's /generate returns meta_info.routed_experts, base64 int32, "
+    "from a server started with --enable-return-routed-experts; on CPU that server dies at start, its "
+    "routing buffer being pinned with cudaHostRegister); use the in-process backend"
+)
+
 WEIGHT_CAPS = (
     Capability.WEIGHTS_TENSORS,
     Capability.WEIGHTS_BUCKETS,
