@@ -56,11 +56,14 @@ def test_cpu_capabilities_are_honest() -> None:
     assert not caps.supports(Capability.SEEDED_SAMPLING)
     assert "frees nothing" in caps.notes[Capability.MEMORY_RELEASE.value]
     assert "deterministic" in caps.notes[Capability.SEEDED_SAMPLING.value]
-    assert COMMON | SAMPLING | AGENT_CPU | {Capability.WEIGHTS_CHECKSUM} == caps.supported
+    assert COMMON | SAMPLING | AGENT_CPU | {Capability.WEIGHTS_CHECKSUM, Capability.GENERATE_ROUTED_EXPERTS} == (
+        caps.supported
+    )
     assert "pin_memory" in caps.notes[Capability.LORA.value], "lora: the measured reason"
     assert caps.notes[Capability.LOGPROBS_PROCESSED.value] and caps.notes[Capability.WEIGHTS_CHECKSUM.value]
     cuda = capabilities("cuda", "sglang 0.5.16")
-    assert not (SAMPLING | AGENT_CPU | {Capability.WEIGHTS_CHECKSUM}) & cuda.supported, "claimed only where verified"
+    unverified = SAMPLING | AGENT_CPU | {Capability.WEIGHTS_CHECKSUM, Capability.GENERATE_ROUTED_EXPERTS}
+    assert not unverified & cuda.supported, "claimed only where verified"
     assert not capabilities("cpu", "sglang 0.5.23", tensor_parallel_size=2).supports(Capability.WEIGHTS_CHECKSUM)
     for pause in (Capability.PAUSE_ABORT, Capability.PAUSE_WAIT, Capability.PAUSE_KEEP):
         assert caps.notes[pause.value], "each pause mode documents its SGLang mapping"
@@ -251,3 +254,25 @@ def test_verls_example_configs_map_onto_sglang(path: Path) -> None:
     assert args.get("disable_cuda_graph", False) is config.enforce_eager
     assert args.get("load_format", "auto") == config.load_format
     assert args["custom_weight_loader"] == [WEIGHT_LOADER]
+
+
+def test_routed_experts_mapping(tmp_path: Path) -> None:
+    import pickle
+
+    from rlinfer_sglang.config import WEIGHT_LOADER
+
+    dense = _model_dir(tmp_path)
+    moe_dir = tmp_path / "moe"
+    moe_dir.mkdir()
+    (moe_dir / "config.json").write_text(
+        json.dumps({"num_hidden_layers": 2, "num_experts": 8, "num_experts_per_tok": 2})
+    )
+    off = server_args(EngineConfig(model=str(moe_dir)), "cpu")
+    assert "enable_return_routed_experts" not in off
+    on = server_args(EngineConfig(model=str(moe_dir), enable_routed_experts=True), "cpu")
+    assert on["enable_return_routed_experts"] is True
+    (loader,) = on["custom_weight_loader"]
+    assert loader == WEIGHT_LOADER and type(pickle.loads(pickle.dumps(loader))) is str
+    assert "enable_return_routed_experts" not in server_args(
+        EngineConfig(model=dense, enable_routed_experts=True), "cpu"
+    )
