@@ -54,7 +54,12 @@ def test_cpu_capabilities_say_no_memory_release() -> None:
     assert "frees no memory" in caps.notes[Capability.MEMORY_RELEASE.value]
     derived = {Capability.SESSIONS, Capability.SCORE, Capability.WEIGHTS_DELTA}  # added by the facade
     gpu_only = {Capability.MEMORY_RELEASE, Capability.MEMORY_DISCARD_WEIGHTS, Capability.DETERMINISTIC}
-    assert {c for c in Capability if c not in derived | gpu_only} <= caps.supported
+    not_claimed = {Capability.GENERATE_ROUTED_EXPERTS}  # CPU: no Model Runner V2; CUDA: unverified
+    assert {c for c in Capability if c not in derived | gpu_only | not_claimed} <= caps.supported
+    for platform in ("cpu", "cuda"):
+        routes = capabilities(platform, "vllm 0.32.0", inprocess=True)  # type: ignore[arg-type]
+        assert not routes.supports(Capability.GENERATE_ROUTED_EXPERTS)
+        assert routes.notes[Capability.GENERATE_ROUTED_EXPERTS.value]
     assert not gpu_only & caps.supported and all(caps.notes[c.value] for c in gpu_only)
 
 
@@ -192,3 +197,16 @@ def test_engine_variables(monkeypatch: pytest.MonkeyPatch) -> None:
     assert THREADS_BIND not in os.environ  # restored once the engine is up
     monkeypatch.setenv(THREADS_BIND, "nobind")  # the caller's choice wins
     assert engine_variables(two, "cpu") == {}
+
+
+def test_routed_experts_mapping(tmp_path: Path) -> None:
+    from rlinfer_vllm.config import engine_variables
+
+    (tmp_path / "config.json").write_text(
+        json.dumps({"num_hidden_layers": 2, "num_experts": 8, "num_experts_per_tok": 2})
+    )
+    config = EngineConfig(model=str(tmp_path), enable_routed_experts=True, enable_prefix_caching=False)
+    args = engine_args(config, "cuda")
+    assert args["enable_return_routed_experts"] is True and args["enable_prefix_caching"] is True
+    assert engine_variables(config, "cuda")["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    assert "enable_return_routed_experts" not in engine_args(EngineConfig(model=str(tmp_path)), "cuda")
