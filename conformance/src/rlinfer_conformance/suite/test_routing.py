@@ -26,6 +26,9 @@ from rlinfer_core.types import Capability, Completion, GenerateRequest, Sampling
 
 __all__ = ["rlinfer_routing_engine", "test_routed_experts_match_the_oracle_router"]
 
+#: checked on this module's own engines (opened with enable_routed_experts=True), not the session's
+OWN_ENGINE_CAPABILITIES = (Capability.GENERATE_ROUTED_EXPERTS,)
+
 #: router scores closer than this at the top-k boundary count as a tie (either choice is right)
 TIE_MARGIN = 1e-4
 
