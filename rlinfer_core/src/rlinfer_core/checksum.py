@@ -4,9 +4,20 @@ A backend that claims ``weights.checksum`` computes :func:`tensor_checksum` insi
 over its own parameters mapped back to Hugging Face names (a fused ``qkv_proj`` sliced back into
 ``q_proj``/``k_proj``/``v_proj``; the output head reported as ``lm_head.weight`` even when it is
 tied to the embedding). :meth:`rlinfer_core.engine.AsyncEngine.verify_weights` computes the same
-checksum over the trainer's tensors, cast to the dtype the engine holds, and compares. Equal
-digests mean bit-identical tensors; this catches an update that silently missed a parameter
-without any reference model.
+checksum over the trainer's tensors, cast to the dtype the engine holds, and compares. This
+catches an update that silently missed a parameter without any reference model.
+
+Two digest algorithms, named by the digest's prefix; the trainer's side is computed with the one
+the engine used, so either side's tensor may live on either device:
+
+- ``b2:`` (tensors on the host): blake2b-128 of the bytes.
+- ``fp:`` (tensors on a GPU): computed where the tensor lives with integer torch ops, so checking a
+  1.26 GB model costs a few passes over GPU memory instead of a copy to the host and a byte hash.
+  Two position-weighted sums of the bytes read as 32-bit words (16- or 8-bit where the size needs
+  it), one modulo ``2^31 - 1`` and one modulo ``2^31 - 19`` with different weights: a change of one
+  word always changes it (the difference would have to be a multiple of both primes, larger than
+  any word), other changes collide with odds of about 2^-62. A fingerprint against loader faults,
+  not a cryptographic hash; on a CPU it is ~20x slower than blake2b, hence the two.
 """
 
 from __future__ import annotations
@@ -29,7 +40,7 @@ class WeightChecksum:
 
     dtype: str  #: the dtype the engine holds the tensor in (torch name without ``torch.``)
     shape: tuple[int, ...] = attrs.field(converter=v.ints)
-    digest: str  #: blake2b-128 hex digest of the tensor's bytes, row-major, in ``dtype``
+    digest: str  #: fingerprint of the tensor's bytes, row-major, in ``dtype`` (module docstring)
     #: the engine serves the trainer's tensor plus this constant (e.g. SGLang's Gemma stores its
     #: RMSNorm weights as ``1 + w``): the trainer's tensor is compared after the same addition,
     #: in ``dtype``, so the comparison stays bit for bit
@@ -50,18 +61,75 @@ class WeightVerification:
         return not self.mismatched and not self.missing
 
 
-def tensor_checksum(tensor: torch.Tensor, dtype: str | None = None, added: float = 0.0) -> WeightChecksum:
+#: the two moduli (primes) and position multipliers of the fingerprint
+_MODULI = ((2**31 - 1, 1), (2**31 - 19, 40503))
+#: positions cycle with this period (keeps every word x weight product below 2^47)
+_PERIOD = 65521
+#: words summed in int64 before reducing (2^15 products of < 2^47 stay below 2^62)
+_ROW = 1 << 15
+#: words per pass, to bound the int64 temporaries (128 MiB each)
+_SLAB = 1 << 24
+
+
+def _words(data: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat run of the widest integer words that divide their size."""
+    import torch
+
+    raw = data.reshape(-1).view(torch.uint8)
+    if raw.numel() % 4 == 0:
+        return raw.view(torch.int32)
+    if raw.numel() % 2 == 0:
+        return raw.view(torch.int16)
+    return raw
+
+
+def _fingerprint(words: torch.Tensor) -> str:
+    import torch
+
+    sums = [0, 0]
+    for start in range(0, words.numel(), _SLAB):
+        slab = words[start : start + _SLAB].to(torch.int64)
+        pad = (-slab.numel()) % _ROW
+        if pad:
+            slab = torch.cat([slab, slab.new_zeros(pad)])
+        index = torch.arange(start, start + slab.numel(), device=slab.device, dtype=torch.int64)
+        for k, (modulus, multiplier) in enumerate(_MODULI):
+            weights = (index * multiplier) % _PERIOD + 1
+            rows = (slab * weights).view(-1, _ROW).sum(dim=1) % modulus
+            sums[k] = (sums[k] + int(rows.sum().item())) % modulus
+    return f"{sums[0]:08x}{sums[1]:08x}{words.numel():x}"
+
+
+def _blake2b(data: torch.Tensor) -> str:
+    import torch
+
+    raw = data.cpu().reshape(-1).view(torch.uint8) if data.numel() else data.cpu().reshape(-1)
+    return hashlib.blake2b(raw.numpy().tobytes(), digest_size=16).hexdigest()
+
+
+def tensor_checksum(
+    tensor: torch.Tensor, dtype: str | None = None, added: float = 0.0, algorithm: str | None = None
+) -> WeightChecksum:
     """Checksum of ``tensor`` cast to ``dtype`` (default: its own dtype), plus ``added`` (see
-    :attr:`WeightChecksum.added`; the engine reports its served tensor with ``added=0``)."""
+    :attr:`WeightChecksum.added`; the engine reports its served tensor with ``added=0``).
+    ``algorithm``: ``"b2"`` or ``"fp"`` (module docstring); default by the tensor's device."""
     import torch
 
     target = getattr(torch, dtype) if dtype else tensor.dtype
-    data = tensor.detach().to(device="cpu", dtype=target).contiguous()
-    if added:
-        data = data + added
-    raw = data.reshape(-1).view(torch.uint8) if data.numel() else data.reshape(-1)
-    digest = hashlib.blake2b(raw.numpy().tobytes(), digest_size=16).hexdigest()
-    return WeightChecksum(str(target).removeprefix("torch."), tuple(tensor.shape), digest, added)
+    kind = algorithm or ("fp" if tensor.device.type == "cuda" else "b2")
+    with torch.no_grad():
+        data = tensor.detach().to(dtype=target)
+        if added:
+            data = data + added
+        data = data.contiguous()
+        body = _fingerprint(_words(data)) if kind == "fp" and data.numel() else _blake2b(data)
+    return WeightChecksum(str(target).removeprefix("torch."), tuple(tensor.shape), f"{kind}:{body}", added)
+
+
+def digest_algorithm(checksum: WeightChecksum) -> str:
+    """The algorithm a checksum's digest was computed with (``b2`` for unprefixed ones)."""
+    kind, sep, _ = checksum.digest.partition(":")
+    return kind if sep else "b2"
 
 
 def verify(
@@ -86,6 +154,6 @@ def verify(
             missing.append(served_name)
             continue
         checked.append(served_name)
-        if tensor_checksum(given[trainer_name], mine.dtype, mine.added) != mine:
+        if tensor_checksum(given[trainer_name], mine.dtype, mine.added, digest_algorithm(mine)) != mine:
             mismatched.append(served_name)
     return WeightVerification(tuple(checked), tuple(mismatched), tuple(missing))
