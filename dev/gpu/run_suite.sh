@@ -7,6 +7,8 @@
 #   - conformance: the conformance kit                                         -> $OUT/conformance-E.{json,log}
 #   - bench:       `rlinfer bench` (rlinfer vs raw engine) on that model        -> $OUT/bench-E.{json,log}
 #   - weightsync:  dev/gpu/bench/weight_sync_bench.py (CUDA-IPC GB/s, release/resume) -> $OUT/weightsync-E.{json,log}
+#   - weightsync-noverify: the same with EngineConfig.verify_updates=False (the verified update's
+#                  A/B baseline)                                                -> $OUT/weightsync-noverify-E.{json,log}
 #   - bench-det:   `rlinfer bench` on a deterministic engine (EngineConfig.deterministic) -> $OUT/bench-det-E.{json,log}
 #   - bench-server: `rlinfer bench` in server mode vs an in-process twin       -> $OUT/bench-server-E.{json,log}
 #   - phase:       dev/gpu/bench/phase_switch_bench.py (release -> train -> resume -> update -> first token)
@@ -120,6 +122,11 @@ for s in "${STEPS[@]}"; do
         --dtype bfloat16 --prompts 128 --prompt-len 128 --max-tokens 512 --runs 5 --set mode=server \
         --set gpu_memory_utilization=0.4 --set startup_timeout_s=400 \
         --json-out "$OUT/bench-server-$ENGINE.json" "${ENGINE_ARGS[@]}" ${RLINFER_GPU_BENCH_ARGS:-}
+      ;;
+    weightsync-noverify)
+      step weightsync-noverify "$OUT/weightsync-noverify-$ENGINE.log" python3 dev/gpu/bench/weight_sync_bench.py \
+        --backend "$ENGINE" --model "$MODEL" --json-out "$OUT/weightsync-noverify-$ENGINE.json" \
+        --no-verify-updates "${ENGINE_ARGS[@]}" ${RLINFER_GPU_WEIGHTSYNC_ARGS:-}
       ;;
     weightsync)
       step weightsync "$OUT/weightsync-$ENGINE.log" python3 dev/gpu/bench/weight_sync_bench.py \

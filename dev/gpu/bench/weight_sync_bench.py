@@ -222,6 +222,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         max_model_len=args.max_model_len,
         startup_timeout_s=args.startup_timeout,
         request_timeout_s=args.request_timeout,
+        verify_updates=args.verify_updates,
         engine_kwargs=parse_assignments(args.engine_arg),
     )
     result["config"] = attrs.asdict(config)
@@ -290,6 +291,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 # the served weights against A, bit for bit, computed inside the engine
                 check = engine.verify_weights(a)
                 update["verify_after_round_trip"] = {"ok": check.ok, "mismatched": list(check.mismatched)[:10]}
+                # what a verified update adds: the engine's readback and the trainer's digests
+                update["verify_weights_s"] = stats([timed(lambda: engine.verify_weights(a))[0] for _ in range(3)])
+            update["verify_updates"] = engine.verifies_updates
             update["sanity"] = {
                 "b_differs_from_a_prefix_agreement": prefix_agreement(base, after_b),
                 "round_trip_prefix_agreement": prefix_agreement(base, after_a),
@@ -394,6 +398,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--no-eager", dest="eager", action="store_false", help="allow CUDA graphs / torch.compile")
+    parser.add_argument(
+        "--no-verify-updates",
+        dest="verify_updates",
+        action="store_false",
+        help="EngineConfig.verify_updates=False (the A/B baseline of the verified update's cost)",
+    )
     parser.add_argument("--startup-timeout", type=float, default=420.0)
     parser.add_argument("--request-timeout", type=float, default=120.0)
     parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE", help="engine_kwargs entry")
