@@ -124,11 +124,22 @@ def create_app(
     app.add_exception_handler(Exception, _internal_error)
 
     from rlinfer_server import control, openai_api, tokenize_api
+    from rlinfer_server.dialects import dialect_named
 
+    dialect = dialect_named(settings.dialect)
     app.include_router(openai_api.router)
     app.include_router(tokenize_api.router)
     app.include_router(control.router)
-    app.add_middleware(Guard, settings=settings, metrics=metrics)
+    if dialect.router is not None:
+        app.include_router(dialect.router)
+    app.add_middleware(
+        Guard,
+        settings=settings,
+        metrics=metrics,
+        control_paths=dialect.control_paths,
+        open_paths=dialect.open_paths,
+        known_paths=dialect.paths,
+    )
     return app
 
 

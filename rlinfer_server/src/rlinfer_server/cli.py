@@ -50,6 +50,19 @@ def register(subparsers: Any) -> None:
         action="store_true",
         help="let requests bring their own chat_template (refused otherwise, as in vLLM)",
     )
+    p.add_argument(
+        "--dialect",
+        choices=["openai", "sglang", "vllm"],
+        default="openai",
+        help="also speak an engine server's own HTTP dialect: sglang (python -m sglang.launch_server's "
+        "/generate, weight and pause routes) or vllm (vllm serve's RL dev-mode routes); default openai only",
+    )
+    p.add_argument(
+        "--open-control",
+        action="store_true",
+        help="serve the control routes without a key when no --api-key is set (as vLLM's dev mode and "
+        "SGLang without --api-key do); refused unless the server binds a loopback address",
+    )
     p.add_argument("--ready-file", help="write {host, port, pid} as JSON here once the engine serves")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument(
@@ -110,6 +123,8 @@ def settings_from_args(args: argparse.Namespace, model: str) -> ServerSettings:
         served_model_name=args.served_model_name or model,
         tool_call_parser=getattr(args, "tool_call_parser", None),
         trust_request_chat_template=bool(getattr(args, "trust_request_chat_template", False)),
+        dialect=getattr(args, "dialect", None) or "openai",
+        open_control=bool(getattr(args, "open_control", False)),
     )
     settings.check()
     return settings
@@ -157,7 +172,9 @@ def run(args: argparse.Namespace) -> int:
             tmp.write_text(json.dumps({"host": host, "port": port, "pid": os.getpid()}))
             tmp.replace(path)
 
-    if settings.api_key is None:
+    if settings.api_key is None and settings.open_control:
+        print("rlinfer serve: --open-control: control endpoints open to anyone on this machine", file=sys.stderr)
+    elif settings.api_key is None:
         print("rlinfer serve: no --api-key: the control endpoints are disabled", file=sys.stderr)
     app = create_app(open_engine, settings, on_ready=ready)
     server = uvicorn.Server(

@@ -48,11 +48,12 @@ KNOWN_PATHS = frozenset(
 )
 
 
-def access(path: str) -> str:
-    """Which key a path needs: "open", "control" or "generate"."""
+def access(path: str, control_paths: frozenset[str] = frozenset()) -> str:
+    """Which key a path needs: "open", "control" or "generate" (``control_paths``: a dialect's
+    control routes, on top of ``/control/*``)."""
     if path in OPEN_PATHS:
         return "open"
-    if path.startswith("/control/") or path == "/control":
+    if path.startswith("/control/") or path == "/control" or path in control_paths:
         return "control"
     return "generate"
 
@@ -67,17 +68,30 @@ async def _send_json(send: Send, status: int, body: dict[str, Any], headers: lis
 class Guard:
     """Token check, body-size limit and request counting (see the module docstring)."""
 
-    def __init__(self, app: ASGIApp, settings: ServerSettings, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        settings: ServerSettings,
+        metrics: Metrics,
+        control_paths: frozenset[str] = frozenset(),
+        open_paths: frozenset[str] = frozenset(),
+        known_paths: frozenset[str] = frozenset(),
+    ) -> None:
         self.app = app
         self.settings = settings
         self.metrics = metrics
+        self.control_paths = control_paths
+        self.open_paths = open_paths
+        self.known_paths = KNOWN_PATHS | known_paths | control_paths | open_paths
 
     def _denied(self, path: str, header: str | None) -> tuple[int, str] | None:
         s = self.settings
-        need = access(path)
+        need = "open" if path in self.open_paths else access(path, self.control_paths)
         if need == "open":
             return None
         if need == "control":
+            if s.open_control and s.api_key is None:
+                return None  # --open-control: keyless control, served on loopback only (settings.check)
             if s.api_key is None:
                 return 403, "control endpoints are disabled: start the server with --api-key (or $RLINFER_API_KEY)"
             ok = token_matches(header, s.api_key)
@@ -95,7 +109,7 @@ class Guard:
             await self.app(scope, receive, send)
             return
         path: str = scope["path"]
-        label = path if path in KNOWN_PATHS else "other"
+        label = path if path in self.known_paths else "other"
         status_box = [0]
 
         async def counting_send(message: Message) -> None:

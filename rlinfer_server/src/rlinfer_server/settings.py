@@ -15,6 +15,8 @@ API_KEY_ENV = "RLINFER_API_KEY"
 GENERATE_API_KEY_ENV = "RLINFER_GENERATE_API_KEY"
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 MIN_KEY_LENGTH = 16
+#: the HTTP dialects ``rlinfer serve`` speaks (``--dialect``); each adds its routes to the OpenAI surface
+DIALECTS = ("openai", "sglang", "vllm")
 
 
 def is_loopback(host: str) -> bool:
@@ -42,6 +44,9 @@ class ServerSettings:
     ``tool_call_parser`` ("hermes", "qwen", "llama": the engine's parser of that format) reads
     tool calls from chat answers with ``tool_choice: "auto"``; ``trust_request_chat_template``
     lets requests bring their own chat template (refused otherwise, as in vLLM).
+    ``dialect`` adds an engine server's own routes (``sglang``: ``python -m sglang.launch_server``'s;
+    ``vllm``: ``vllm serve``'s RL dev-mode routes) over the same engine; ``open_control`` lets
+    control routes through without a key, on a loopback bind only.
     """
 
     host: str = "127.0.0.1"
@@ -52,11 +57,21 @@ class ServerSettings:
     served_model_name: str = "model"
     tool_call_parser: str | None = None
     trust_request_chat_template: bool = False
+    dialect: str = "openai"
+    open_control: bool = False
 
     def check(self) -> None:
         """Refuse unsafe or impossible settings (InvalidRequest naming the option)."""
         _check_key("api_key", self.api_key)
         _check_key("generate_api_key", self.generate_api_key)
+        if self.dialect not in DIALECTS:
+            raise InvalidRequest("dialect", f"must be one of {list(DIALECTS)}, got {self.dialect!r}")
+        if self.open_control and not is_loopback(self.host):
+            raise InvalidRequest(
+                "open_control",
+                f"control routes without a key are served on a loopback bind only, not on {self.host!r}; "
+                "give --api-key instead",
+            )
         if not is_loopback(self.host) and not self.api_key:
             raise InvalidRequest(
                 "host",

@@ -1,0 +1,37 @@
+"""The HTTP dialects of ``rlinfer serve --dialect``: which routes each adds and which of them are
+control routes (behind the ``--api-key`` bearer token, as ``/control/*``).
+
+Every dialect serves the OpenAI surface and rlinfer's ``/control/*`` routes too; a dialect adds
+an engine server's own routes over the same engine object (an AsyncEngine or an EnginePool), so
+rlinfer's guarantees (validation first, all-or-nothing updates, per-token versions, typed
+errors, deadlines) hold whatever the trainer speaks.
+"""
+
+from __future__ import annotations
+
+import attrs
+from fastapi import APIRouter
+
+
+@attrs.frozen
+class Dialect:
+    """One dialect: its router and its paths by access level (``paths``: all of them)."""
+
+    name: str
+    router: APIRouter | None
+    control_paths: frozenset[str] = frozenset()
+    open_paths: frozenset[str] = frozenset()
+    paths: frozenset[str] = frozenset()
+
+
+def dialect_named(name: str) -> Dialect:
+    """The dialect ``name`` ("openai", "sglang" or "vllm"), its router imported on demand."""
+    if name == "sglang":
+        from rlinfer_server import sglang_dialect
+
+        return sglang_dialect.DIALECT
+    if name == "vllm":
+        from rlinfer_server import vllm_dialect
+
+        return vllm_dialect.DIALECT
+    return Dialect("openai", None)

@@ -1,0 +1,252 @@
+"""SGLang's ``/generate`` over an rlinfer engine: its body -> GenerateRequests, Completions -> its
+answer (``text``, ``output_ids``, ``meta_info`` with ``finish_reason``, token counts,
+``output_token_logprobs`` ``[[logprob, token_id, text|None]...]``, ``weight_version`` and
+``weight_versions`` spans).
+
+Batches behave as SGLang's: a list of prompts (or ``n`` > 1) answers a list, prompt-major (the
+``n`` samples of prompt *i* are contiguous); one prompt with ``n`` = 1 answers one object.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import attrs
+
+from rlinfer_core.errors import InvalidRequest
+from rlinfer_core.types import Completion, FinishReason, GenerateRequest, SamplingParams
+from rlinfer_server.convert import Tokens
+from rlinfer_server.sglang_schemas import SglGenerateBody, SglSamplingParams
+
+T = TypeVar("T")
+
+#: rlinfer SamplingParams field -> the SGLang name a client sent (for error messages)
+SGLANG_FIELD = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens", "seed": "sampling_seed"}
+
+
+@attrs.frozen
+class PromptPlan:
+    """What one prompt of a ``/generate`` body asks besides sampling: logprobs and text options."""
+
+    return_logprob: bool
+    logprob_start_len: int
+    top_logprobs_num: int
+    text_in_logprobs: bool
+    skip_special_tokens: bool
+    no_stop_trim: bool
+    stop: tuple[str, ...]
+
+
+@attrs.frozen
+class GeneratePlan:
+    """The requests of a body, each with its plan, and whether the answer is a list."""
+
+    requests: tuple[GenerateRequest, ...]
+    plans: tuple[PromptPlan, ...]
+    batched: bool
+
+
+def _item(value: T | list[T] | None, index: int, count: int, field: str, default: T) -> T:
+    """The ``index``-th prompt's value of a per-prompt field (a scalar applies to every prompt)."""
+    if value is None:
+        return default
+    if isinstance(value, list):
+        if len(value) != count:
+            raise InvalidRequest(field, f"has {len(value)} entries for {count} prompts")
+        chosen = value[index]
+        return default if chosen is None else chosen
+    return value
+
+
+def _prompts(body: SglGenerateBody, tokens: Tokens) -> tuple[list[list[int]], bool]:
+    """Token ids of every prompt, and whether the body was a batch."""
+    if (body.text is None) == (body.input_ids is None):
+        raise InvalidRequest("input_ids", "give exactly one of text and input_ids")
+    if body.input_ids is not None:
+        ids = body.input_ids
+        if not ids:
+            raise InvalidRequest("input_ids", "must not be empty")
+        if isinstance(ids[0], list):
+            return [list(p) for p in ids if isinstance(p, list)], True
+        return [[int(t) for t in ids if isinstance(t, int)]], False
+    assert body.text is not None
+    if isinstance(body.text, list):
+        return [tokens.encode(t) for t in body.text], True
+    return [tokens.encode(body.text)], False
+
+
+def sampling_of(params: SglSamplingParams, logprobs: int, prompt_logprobs: bool) -> SamplingParams:
+    """rlinfer SamplingParams of SGLang ``sampling_params`` (errors name SGLang's fields)."""
+    from rlinfer_core.structured import StructuredOutput
+
+    constraints = [c for c in (params.json_schema, params.regex, params.choice) if c is not None]
+    if len(constraints) > 1:
+        raise InvalidRequest("sampling_params.json_schema", "give at most one of json_schema, regex and choice")
+    structured: StructuredOutput | None = None
+    if params.json_schema is not None:
+        structured = StructuredOutput.json(params.json_schema)
+    elif params.regex is not None:
+        structured = StructuredOutput.regex(params.regex)
+    elif params.choice is not None:
+        structured = StructuredOutput.choices(params.choice)
+    bias: list[tuple[int, float]] = []
+    for key, value in (params.logit_bias or {}).items():
+        try:
+            bias.append((int(key), value))
+        except ValueError:
+            raise InvalidRequest("sampling_params.logit_bias", f"keys must be token ids, got {key!r}") from None
+    if params.max_new_tokens is None:
+        raise InvalidRequest("sampling_params.max_new_tokens", "must be given (rlinfer bounds every request)")
+    stop = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
+    try:
+        return SamplingParams(
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            max_tokens=params.max_new_tokens,
+            min_tokens=params.min_new_tokens,
+            n=params.n,
+            seed=params.sampling_seed,
+            stop_token_ids=tuple(params.stop_token_ids or ()),
+            stop=tuple(stop),
+            ignore_eos=params.ignore_eos,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            min_p=params.min_p,
+            repetition_penalty=params.repetition_penalty,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            logit_bias=tuple(bias),
+            structured=structured,
+        )
+    except InvalidRequest as exc:
+        field = exc.field.removeprefix("sampling.")
+        reason = str(exc).removeprefix(f"invalid {exc.field}: ")
+        raise InvalidRequest(f"sampling_params.{SGLANG_FIELD.get(field, field)}", reason) from None
+
+
+def generate_plan(body: SglGenerateBody, tokens: Tokens) -> GeneratePlan:
+    """Every GenerateRequest of a ``/generate`` body (checked; nothing reaches the engine yet)."""
+    prompts, batched = _prompts(body, tokens)
+    count = len(prompts)
+    rids = body.rid if isinstance(body.rid, list) else None
+    if rids is not None and len(rids) != count:
+        raise InvalidRequest("rid", f"has {len(rids)} entries for {count} prompts")
+    requests: list[GenerateRequest] = []
+    plans: list[PromptPlan] = []
+    for i, prompt in enumerate(prompts):
+        params = _item(body.sampling_params, i, count, "sampling_params", SglSamplingParams())
+        return_logprob = bool(_item(body.return_logprob, i, count, "return_logprob", False))
+        start = int(_item(body.logprob_start_len, i, count, "logprob_start_len", -1))
+        top = int(_item(body.top_logprobs_num, i, count, "top_logprobs_num", 0))
+        if start >= len(prompt):
+            raise InvalidRequest("logprob_start_len", f"must be < the prompt's {len(prompt)} tokens, got {start}")
+        prompt_logprobs = return_logprob and start >= 0
+        if prompt_logprobs and top > 0:
+            raise InvalidRequest(
+                "top_logprobs_num", "top alternatives of prompt tokens are not served: use logprob_start_len -1"
+            )
+        if prompt_logprobs and body.stream:
+            raise InvalidRequest("logprob_start_len", "prompt logprobs are not available when streaming")
+        sampling = sampling_of(params, top if return_logprob else 0, prompt_logprobs)
+        rid = rids[i] if rids is not None else (body.rid if isinstance(body.rid, str) and count == 1 else None)
+        requests.append(
+            GenerateRequest(
+                prompt_token_ids=prompt, sampling=sampling, request_id=rid or uuid.uuid4().hex, lora=body.lora_path
+            )
+        )
+        plans.append(
+            PromptPlan(
+                return_logprob=return_logprob,
+                logprob_start_len=start,
+                top_logprobs_num=top,
+                text_in_logprobs=body.return_text_in_logprobs,
+                skip_special_tokens=params.skip_special_tokens,
+                no_stop_trim=params.no_stop_trim,
+                stop=sampling.stop,
+            )
+        )
+    many = batched or any(r.sampling.n > 1 for r in requests)
+    if body.stream and many:
+        raise InvalidRequest("stream", "streaming takes one prompt with n = 1 here")
+    return GeneratePlan(tuple(requests), tuple(plans), many)
+
+
+def finish_reason(c: Completion) -> dict[str, Any] | None:
+    """SGLang's ``finish_reason`` object: ``{type: "length", length}``, ``{type: "stop", matched}``
+    (the stop token id or string; EOS: its id) or ``{type: "abort", message}``."""
+    if c.finish_reason is FinishReason.LENGTH:
+        return {"type": "length", "length": len(c.token_ids)}
+    if c.finish_reason is FinishReason.STOP:
+        matched = c.stop_reason if c.stop_reason is not None else (c.token_ids[-1] if c.token_ids else None)
+        return {"type": "stop", "matched": matched}
+    return {"type": "abort", "message": "aborted"}
+
+
+def version_spans(versions: Sequence[int]) -> list[dict[str, Any]]:
+    """``weight_versions`` spans ``[{version, start, end}]`` (half-open over output tokens)."""
+    spans: list[dict[str, Any]] = []
+    for i, v in enumerate(versions):
+        if spans and spans[-1]["version"] == str(v):
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": str(v), "start": i, "end": i + 1})
+    return spans
+
+
+def _entry(tokens: Tokens, logprob: float | None, token_id: int, with_text: bool) -> list[Any]:
+    return [logprob, token_id, tokens.piece(token_id) if with_text else None]
+
+
+def _text(c: Completion, plan: PromptPlan, tokens: Tokens) -> str:
+    text = tokens.decode(c.token_ids, plan.skip_special_tokens)
+    if not plan.no_stop_trim and isinstance(c.stop_reason, str) and text.endswith(c.stop_reason):
+        text = text[: -len(c.stop_reason)]  # SGLang trims a matched stop string unless no_stop_trim
+    return text
+
+
+def answer_of(c: Completion, plan: PromptPlan, tokens: Tokens, sample_id: str) -> dict[str, Any]:
+    """SGLang's answer for one completion."""
+    versions = c.token_versions or (c.weight_version,) * len(c.token_ids)
+    meta: dict[str, Any] = {
+        "id": sample_id,
+        "finish_reason": finish_reason(c),
+        "prompt_tokens": len(c.prompt_token_ids),
+        "completion_tokens": len(c.token_ids),
+        "cached_tokens": 0,
+        "weight_version": str(c.weight_version),
+        "weight_versions": version_spans(versions),
+        "token_weight_versions": list(versions),
+    }
+    if plan.return_logprob:
+        with_text = plan.text_in_logprobs
+        meta["output_token_logprobs"] = [
+            _entry(tokens, lp, t, with_text) for lp, t in zip(c.logprobs, c.token_ids, strict=True)
+        ]
+        prompt: list[list[Any]] = []
+        if plan.logprob_start_len >= 0 and c.prompt_logprobs is not None:
+            pairs = list(zip(c.prompt_logprobs, c.prompt_token_ids, strict=True))[plan.logprob_start_len :]
+            prompt = [_entry(tokens, lp, t, with_text) for lp, t in pairs]
+        meta["input_token_logprobs"] = prompt
+        if plan.top_logprobs_num > 0 and c.top_logprobs is not None:
+            meta["output_top_logprobs"] = [
+                [_entry(tokens, lp, t, with_text) for t, lp in sorted(top.items(), key=lambda kv: -kv[1])]
+                for top in c.top_logprobs
+            ]
+    return {"text": _text(c, plan, tokens), "output_ids": list(c.token_ids), "meta_info": meta}
+
+
+def answers_of(plan: GeneratePlan, completions: Sequence[Completion], tokens: Tokens) -> Any:
+    """The whole ``/generate`` answer: one object, or a list in prompt-major order."""
+    by_request: dict[str, list[Completion]] = {}
+    for c in completions:
+        by_request.setdefault(c.request_id, []).append(c)
+    out: list[dict[str, Any]] = []
+    for request, prompt_plan in zip(plan.requests, plan.plans, strict=True):
+        samples = sorted(by_request.get(request.request_id, []), key=lambda c: c.index)
+        for c in samples:
+            sample_id = request.request_id if request.sampling.n == 1 else f"{request.request_id}-{c.index}"
+            out.append(answer_of(c, prompt_plan, tokens, sample_id))
+    return out if plan.batched else out[0]

@@ -1,0 +1,158 @@
+"""Servers for the dialect suites (helpers; fixtures in conftest.py): the engine's own server and
+``rlinfer serve --dialect X`` over each backend, each started once per session as a subprocess from its own environment.
+
+``RLINFER_DIALECT_SERVERS`` (comma-separated) picks the servers a run covers; the default is all
+of them. Every server serves the same tiny float32 model on CPU with the same small KV cache, so
+greedy outputs can be compared with the Hugging Face oracle of that model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import attrs
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+VENVS = ROOT / ".venvs"
+API_KEY = "dialect-suite-control-key-0123456789"
+START_TIMEOUT_S = 600.0
+#: the same engine settings on every server (rlinfer's kit sizes)
+MAX_MODEL_LEN = 512
+KV_CACHE_BYTES = 64 << 20
+MAX_SEQS = 16
+
+
+@attrs.frozen
+class DialectServer:
+    """A running server: its kind, URL, process, log and the headers that pass its control guard."""
+
+    kind: str
+    url: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    @property
+    def is_reference(self) -> bool:
+        """True for the engine's own server (not rlinfer)."""
+        return self.kind.endswith("-reference")
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """Control headers (an engine server started without a key ignores them)."""
+        return {"Authorization": f"Bearer {API_KEY}"}
+
+    def client(self, timeout: float = 120.0) -> httpx.Client:
+        """An httpx client on this server with the control headers."""
+        return httpx.Client(base_url=self.url, headers=self.headers, timeout=timeout)
+
+
+def selected(all_kinds: tuple[str, ...]) -> list[str]:
+    """The server kinds of this run (``RLINFER_DIALECT_SERVERS``, default all)."""
+    wanted = os.environ.get("RLINFER_DIALECT_SERVERS")
+    if not wanted:
+        return list(all_kinds)
+    kinds = [k.strip() for k in wanted.split(",") if k.strip()]
+    unknown = set(kinds) - set(all_kinds)
+    if unknown:
+        raise pytest.UsageError(f"RLINFER_DIALECT_SERVERS: unknown {sorted(unknown)}; known {list(all_kinds)}")
+    return kinds
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    from rlinfer_core.transfer.broadcast import free_port as free
+
+    return free()
+
+
+def rlinfer_serve_command(backend: str, model: Path, dialect: str, ready: Path) -> list[str]:
+    """``rlinfer serve --dialect DIALECT`` over ``backend``, from that backend's environment."""
+    return [
+        str(VENVS / backend / "bin" / "rlinfer"),
+        "serve",
+        "--backend",
+        backend,
+        "--model",
+        str(model),
+        "--dtype",
+        "float32",
+        "--set",
+        f"max_model_len={MAX_MODEL_LEN}",
+        "--set",
+        f"kv_cache_memory_bytes={KV_CACHE_BYTES}",
+        "--set",
+        f"max_num_seqs={MAX_SEQS}",
+        "--set",
+        "seed=0",
+        "--port",
+        "0",
+        "--ready-file",
+        str(ready),
+        "--api-key",
+        API_KEY,
+        "--dialect",
+        dialect,
+        "--log-level",
+        "warning",
+    ]
+
+
+def _wait_for_health(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            break
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        time.sleep(1.0)
+    _stop(proc)
+    pytest.fail(f"server did not start (rc={proc.poll()}):\n{log.read_text()[-4000:]}")
+
+
+def _wait_for_ready_file(ready: Path, proc: subprocess.Popen[bytes], log: Path) -> str:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _stop(proc)
+            pytest.fail(f"rlinfer serve did not start (rc={proc.poll()}):\n{log.read_text()[-4000:]}")
+        time.sleep(0.5)
+    info = json.loads(ready.read_text())
+    return f"http://{info['host']}:{info['port']}"
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=60)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # the engine's own children too
+    proc.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def started(
+    kind: str, command: list[str], env: dict[str, str], tmp: Path, ready: Path | None, url: str | None
+) -> Iterator[DialectServer]:
+    """Start ``command`` in its own session; yield once it serves; stop it and its children."""
+    log = tmp / f"{kind}.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    if ready is not None:
+        url = _wait_for_ready_file(ready, proc, log)
+    assert url is not None
+    _wait_for_health(url, proc, log)
+    try:
+        yield DialectServer(kind, url, proc, log)
+    finally:
+        _stop(proc)
