@@ -1,10 +1,271 @@
-"""``rlinfer serve --dialect vllm`` (in progress)."""
+"""``rlinfer serve --dialect vllm``: the RL routes of ``vllm serve`` in dev mode
+(``VLLM_SERVER_DEV_MODE=1``; ``vllm/entrypoints/rl/online/api_router.py``) and its token-in
+endpoint ``/inference/v1/generate``, with vLLM's shapes, over any rlinfer engine or pool.
+
+Control (behind the control key): ``/pause?mode=abort|wait|keep``, ``/resume``,
+``/abort_requests``, ``/sleep``, ``/wake_up``, ``/reset_prefix_cache``, the weight-transfer
+lifecycle ``/init_weight_transfer_engine`` -> ``/start_weight_update`` -> ``/update_weights``* ->
+``/finish_weight_update`` (409 out of order, as vLLM's state machine), ``/update_weight_version``.
+State: ``/is_paused``, ``/is_sleeping``, ``/get_world_size``, ``/server_info``, ``/weight_info``.
+
+Weight transfer (:mod:`rlinfer_server.vllm_weights`): the server joins the trainer's group as one
+rank and receives each ``/update_weights`` call's tensors (one broadcast per tensor from rank 0);
+``/finish_weight_update`` loads everything received since ``/start_weight_update`` as one rlinfer
+update, all or nothing, labelled with its ``weight_version``. The group is a torch.distributed
+group built as SGLang's ``init_weights_update_group`` builds it (gloo on CPU, NCCL on GPU), not
+vLLM's ``StatelessProcessGroup`` + PyNccl, and ``packed`` transfers are refused: wire
+compatibility with vLLM's ``NCCLWeightTransferEngine`` trainer side is not done yet.
+"""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from typing import Annotated, Any, Literal
 
+from fastapi import APIRouter, Body, Query, Request
+from fastapi.responses import JSONResponse, Response
+
+from rlinfer_core.errors import RLInferError
+from rlinfer_core.types import PauseMode
+from rlinfer_server.dialect_common import VersionConflict, error_status, parse_version, state_of
 from rlinfer_server.dialects import Dialect
+from rlinfer_server.vllm_generate import VllmGenerateBody, generate_answer, generate_requests
+from rlinfer_server.vllm_weights import session_of
 
 router = APIRouter()
-DIALECT = Dialect("vllm", router)
+
+
+def _error(exc: BaseException) -> JSONResponse:
+    status, kind = error_status(exc)
+    message = str(exc) if isinstance(exc, RLInferError) else f"internal error: {type(exc).__name__}"
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+@router.post("/pause")
+async def pause(
+    request: Request,
+    mode: Annotated[Literal["abort", "wait", "keep"], Query()] = "abort",
+    clear_cache: Annotated[bool, Query()] = True,
+) -> JSONResponse:
+    """Pause generation; ``clear_cache`` (deprecated in vLLM) is accepted and ignored."""
+    try:
+        await state_of(request).engine.pause(PauseMode(mode))
+    except RLInferError as exc:
+        return _error(exc)
+    request.app.state.vllm_paused = True
+    return JSONResponse({"status": "paused"})
+
+
+@router.post("/resume")
+async def resume(request: Request) -> JSONResponse:
+    """Resume after ``/pause``."""
+    try:
+        await state_of(request).engine.resume()
+    except RLInferError as exc:
+        return _error(exc)
+    request.app.state.vllm_paused = False
+    return JSONResponse({"status": "resumed"})
+
+
+@router.get("/is_paused")
+async def is_paused(request: Request) -> dict[str, bool]:
+    """Whether this dialect's ``/pause`` is in effect."""
+    state_of(request).engine  # noqa: B018  (503 when the engine is not running)
+    return {"is_paused": bool(getattr(request.app.state, "vllm_paused", False))}
+
+
+@router.post("/abort_requests")
+async def abort_requests(request: Request) -> JSONResponse:
+    """Abort ``request_ids`` (none or empty: every request in flight)."""
+    import json
+
+    raw = await request.body()
+    try:
+        body = json.loads(raw) if raw.strip() else {}
+    except ValueError:
+        return JSONResponse({"error": {"message": "Invalid JSON format", "code": 400}}, status_code=400)
+    if not isinstance(body, dict):
+        return JSONResponse({"error": {"message": "Request body must be a JSON object", "code": 400}}, status_code=400)
+    ids = body.get("request_ids")
+    engine = state_of(request).engine
+    targets = [str(i) for i in ids] if ids else sorted(engine.in_flight)
+    try:
+        await engine.abort(targets if ids else None)
+    except RLInferError as exc:
+        return _error(exc)
+    return JSONResponse({"status": "aborted", "aborted": len(targets)})
+
+
+@router.get("/get_world_size")
+async def get_world_size(request: Request, include_dp: Annotated[bool, Query()] = True) -> dict[str, int]:
+    """TP x PP (x DP with ``include_dp``) of the engine config."""
+    config = state_of(request).engine.config
+    size = config.tensor_parallel_size * config.pipeline_parallel_size
+    return {"world_size": size * (config.data_parallel_size if include_dp else 1)}
+
+
+@router.get("/server_info")
+async def server_info(request: Request) -> dict[str, Any]:
+    """The engine config under vLLM's ``vllm_config`` key, and rlinfer's own facts; no
+    ``weight_transfer_config`` (vLLM's NCCL transfer engine is not spoken, see the module doc)."""
+    import attrs
+
+    import rlinfer_core
+
+    state = state_of(request)
+    engine = state.engine
+    config = engine.config
+    plain = {f.name: getattr(config, f.name) for f in attrs.fields(type(config))}
+    plain = {k: v for k, v in plain.items() if isinstance(v, str | int | float | bool) or v is None}
+    return {
+        "vllm_config": {**plain, "served_model_name": state.settings.served_model_name},
+        "rlinfer": {
+            "version": rlinfer_core.__version__,
+            "capabilities": engine.capabilities.to_dict(),
+            "weight_version": engine.weight_version,
+            "weight_transfer": "torch.distributed broadcast (SGLang's group layout), one rank per server",
+        },
+    }
+
+
+@router.post("/sleep")
+async def sleep(
+    request: Request,
+    level: Annotated[int, Query()] = 1,
+    mode: Annotated[Literal["abort", "wait", "keep"], Query()] = "abort",
+) -> Response:
+    """Release the engine's accelerator memory (weights and KV cache); 501 where the platform
+    cannot (CPU). ``mode`` is accepted as vLLM's (requests are handled by the engine's release)."""
+    try:
+        await state_of(request).engine.release_memory(None)
+    except RLInferError as exc:
+        return _error(exc)
+    return Response(status_code=200)
+
+
+@router.post("/wake_up")
+async def wake_up(request: Request, tags: Annotated[list[str] | None, Query()] = None) -> Response:
+    """Re-allocate released memory (``tags``: weights, kv_cache; none: all)."""
+    try:
+        await state_of(request).engine.resume_memory(tags or None)
+    except RLInferError as exc:
+        return _error(exc)
+    return Response(status_code=200)
+
+
+@router.get("/is_sleeping")
+async def is_sleeping(request: Request) -> dict[str, bool]:
+    """Whether any memory is released."""
+    return {"is_sleeping": bool(state_of(request).engine.released)}
+
+
+@router.post("/reset_prefix_cache")
+async def reset_prefix_cache(
+    request: Request,
+    reset_running_requests: Annotated[bool, Query()] = False,
+    reset_external: Annotated[bool, Query()] = False,
+) -> JSONResponse:
+    """Drop cached prefixes (SkyRL's JSON body is accepted and ignored, as vLLM does)."""
+    try:
+        await state_of(request).engine.reset_prefix_cache()
+    except RLInferError as exc:
+        return _error(exc)
+    return JSONResponse({"success": True})
+
+
+@router.post("/init_weight_transfer_engine")
+async def init_weight_transfer_engine(
+    request: Request, init_info: Annotated[dict[str, Any], Body(embed=True)]
+) -> JSONResponse:
+    """Join the trainer's weight group (blocks until every rank joined)."""
+    try:
+        await session_of(request.app).init(state_of(request), init_info)
+    except RLInferError as exc:
+        return _error(exc)
+    return JSONResponse({"message": "Weight transfer initialized"})
+
+
+@router.post("/start_weight_update")
+async def start_weight_update(request: Request) -> JSONResponse:
+    """Open an update (the body, e.g. ``{"is_checkpoint_format": true}``, is ignored as in vLLM)."""
+    try:
+        session_of(request.app).start(state_of(request))
+    except RLInferError as exc:
+        return _error(exc)
+    return JSONResponse({"message": "Weight update started"})
+
+
+@router.post("/update_weights")
+async def update_weights(request: Request, update_info: Annotated[Any, Body(embed=True)]) -> JSONResponse:
+    """Receive the tensors of ``update_info`` (``names``, ``dtype_names``, ``shapes``; or a list of
+    such chunks) broadcast by rank 0, in order."""
+    try:
+        await session_of(request.app).receive(update_info)
+    except RLInferError as exc:
+        return _error(exc)
+    return JSONResponse({"message": "Weights updated"})
+
+
+@router.post("/finish_weight_update")
+async def finish_weight_update(
+    request: Request, weight_version: Annotated[str | None, Body(embed=True)] = None
+) -> JSONResponse:
+    """Load everything received since ``/start_weight_update``, all or nothing."""
+    try:
+        await session_of(request.app).finish(state_of(request), parse_version(weight_version))
+    except RLInferError as exc:
+        return _error(exc)
+    return JSONResponse({"message": "Weight update finished"})
+
+
+@router.post("/update_weight_version")
+async def update_weight_version(request: Request, new_version: Annotated[str, Body(embed=True)]) -> JSONResponse:
+    """The current version is accepted (a no-op); rlinfer versions move only with an update
+    (``weight_version`` of ``/finish_weight_update``), so any other is 409."""
+    try:
+        current = state_of(request).engine.weight_version
+        if parse_version(new_version, "new_version") != current:
+            raise VersionConflict(
+                "new_version",
+                f"rlinfer's version ({current}) changes only with a weight update: "
+                "send weight_version to /finish_weight_update",
+            )
+    except RLInferError as exc:
+        return _error(exc)
+    return JSONResponse({"success": True, "new_version": new_version})
+
+
+@router.get("/weight_info")
+async def weight_info(request: Request) -> dict[str, str]:
+    """The version now served, as vLLM's string label."""
+    return {"weight_version": str(state_of(request).engine.weight_version)}
+
+
+@router.post("/inference/v1/generate")
+async def inference_generate(body: VllmGenerateBody, request: Request) -> JSONResponse:
+    """Token ids in; ``token_ids``, ``logprobs`` and ``weight_versions`` spans out, per choice."""
+    state = state_of(request)
+    generate_request = generate_requests(body)
+    completions = await state.engine.generate([generate_request])
+    return JSONResponse(generate_answer(body, generate_request, completions, state.settings.served_model_name))
+
+
+CONTROL_PATHS = frozenset(
+    {
+        "/pause",
+        "/resume",
+        "/abort_requests",
+        "/sleep",
+        "/wake_up",
+        "/reset_prefix_cache",
+        "/init_weight_transfer_engine",
+        "/start_weight_update",
+        "/update_weights",
+        "/finish_weight_update",
+        "/update_weight_version",
+    }
+)
+GENERATE_PATHS = frozenset(
+    {"/is_paused", "/is_sleeping", "/get_world_size", "/server_info", "/weight_info", "/inference/v1/generate"}
+)
+
+DIALECT = Dialect("vllm", router, CONTROL_PATHS, frozenset(), paths=CONTROL_PATHS | GENERATE_PATHS)

@@ -1,0 +1,139 @@
+"""vLLM's token-in endpoint ``/inference/v1/generate`` over an rlinfer engine: ``token_ids`` and
+vLLM ``sampling_params`` in; per choice ``token_ids``, ``finish_reason``, ``stop_reason``,
+``logprobs.content[{token_id, logprob, top_logprobs}]`` and ``weight_versions`` spans out
+(``vllm/entrypoints/scale_out/token_in_token_out/protocol.py``)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from rlinfer_core.errors import InvalidRequest
+from rlinfer_core.types import Completion, GenerateRequest, SamplingParams
+from rlinfer_server.schemas import Body
+from rlinfer_server.sglang_generate import version_spans
+
+
+class VllmSamplingParams(Body):
+    """The vLLM SamplingParams fields RL clients send (TRL, SkyRL, verl), at vLLM's defaults."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    skip_special_tokens: bool = True
+    detokenize: bool = True
+    output_kind: int | None = None  # TRL's FINAL_ONLY (2): answers are final-only here anyway
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: None = None
+    spaces_between_special_tokens: Literal[True] = True
+
+
+class VllmGenerateBody(Body):
+    """``POST /inference/v1/generate``."""
+
+    token_ids: list[int]
+    sampling_params: VllmSamplingParams
+    request_id: str | None = None
+    model: str | None = None
+    stream: Literal[False] | None = False
+    output_mode: Literal["tokens"] = "tokens"
+    return_token_ids: bool | None = None
+    cache_salt: str | None = None  # a prefix-cache namespace (SkyRL: the weight version); not needed here
+    priority: Literal[0] = 0
+    features: None = None
+    kv_transfer_params: None = None
+
+
+def generate_requests(body: VllmGenerateBody) -> GenerateRequest:
+    """The GenerateRequest of a body (checked before anything reaches the engine)."""
+    if not body.token_ids:
+        raise InvalidRequest("token_ids", "must not be empty")
+    p = body.sampling_params
+    if p.max_tokens is None:
+        raise InvalidRequest("sampling_params.max_tokens", "must be given (rlinfer bounds every request)")
+    stop = [p.stop] if isinstance(p.stop, str) else list(p.stop or [])
+    try:
+        sampling = SamplingParams(
+            n=p.n,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=-1 if p.top_k == 0 else p.top_k,  # vLLM's 0 is "off"
+            min_p=p.min_p,
+            max_tokens=p.max_tokens,
+            min_tokens=p.min_tokens,
+            seed=p.seed,
+            stop=tuple(stop),
+            stop_token_ids=tuple(p.stop_token_ids or ()),
+            ignore_eos=p.ignore_eos,
+            logprobs=p.logprobs or 0,
+            repetition_penalty=p.repetition_penalty,
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+        )
+    except InvalidRequest as exc:
+        field = exc.field.removeprefix("sampling.")
+        raise InvalidRequest(f"sampling_params.{field}", str(exc).removeprefix(f"invalid {exc.field}: ")) from None
+    return GenerateRequest(
+        prompt_token_ids=body.token_ids, sampling=sampling, request_id=body.request_id or uuid.uuid4().hex
+    )
+
+
+def _logprobs(c: Completion, top: int | None) -> dict[str, Any] | None:
+    if top is None:
+        return None
+    content = []
+    for i, (token, logprob) in enumerate(zip(c.token_ids, c.logprobs, strict=True)):
+        alternatives = sorted((c.top_logprobs[i] if c.top_logprobs else {}).items(), key=lambda kv: -kv[1])
+        content.append(
+            {
+                "token_id": token,
+                "logprob": logprob,
+                "top_logprobs": [{"token_id": t, "logprob": lp} for t, lp in alternatives[:top]],
+            }
+        )
+    return {"content": content}
+
+
+def generate_answer(
+    body: VllmGenerateBody, request: GenerateRequest, completions: Sequence[Completion], model: str
+) -> dict[str, Any]:
+    """vLLM's ``GenerateResponse`` (tokens mode) for the completions of one request."""
+    choices = []
+    for c in sorted(completions, key=lambda c: c.index):
+        versions = c.token_versions or (c.weight_version,) * len(c.token_ids)
+        choices.append(
+            {
+                "index": c.index,
+                "finish_reason": str(c.finish_reason),
+                "stop_reason": c.stop_reason,
+                "token_ids": list(c.token_ids),
+                "logprobs": _logprobs(c, body.sampling_params.logprobs),
+                "weight_versions": version_spans(versions),
+            }
+        )
+    prompt = len(request.prompt_token_ids or ())
+    generated = sum(len(c.token_ids) for c in completions)
+    return {
+        "request_id": request.request_id,
+        "model": body.model or model,
+        "created": int(time.time()),
+        "choices": choices,
+        "prompt_token_ids": list(request.prompt_token_ids or ()),
+        "usage": {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated},
+        "prompt_logprobs": None,
+        "kv_transfer_params": None,
+    }
