@@ -13,9 +13,11 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import attrs
 import httpx
@@ -29,6 +31,10 @@ START_TIMEOUT_S = 600.0
 MAX_MODEL_LEN = 512
 KV_CACHE_BYTES = 64 << 20
 MAX_SEQS = 16
+#: every server kind of the suites (each suite runs the ones of its dialect)
+ALL_KINDS = ("sglang-reference", "vllm-reference", "rlinfer-vllm", "rlinfer-sglang")
+#: the prompt every suite generates from
+PROMPT = [1, 5, 6, 7, 9, 11]
 
 
 @attrs.frozen
@@ -61,10 +67,10 @@ def selected(all_kinds: tuple[str, ...]) -> list[str]:
     if not wanted:
         return list(all_kinds)
     kinds = [k.strip() for k in wanted.split(",") if k.strip()]
-    unknown = set(kinds) - set(all_kinds)
+    unknown = set(kinds) - set(ALL_KINDS)
     if unknown:
-        raise pytest.UsageError(f"RLINFER_DIALECT_SERVERS: unknown {sorted(unknown)}; known {list(all_kinds)}")
-    return kinds
+        raise pytest.UsageError(f"RLINFER_DIALECT_SERVERS: unknown {sorted(unknown)}; known {list(ALL_KINDS)}")
+    return [k for k in kinds if k in all_kinds]
 
 
 def free_port() -> int:
@@ -156,3 +162,33 @@ def started(
         yield DialectServer(kind, url, proc, log)
     finally:
         _stop(proc)
+
+
+class Oracle:
+    """Greedy tokens and their logprobs from the Hugging Face model (float32, CPU)."""
+
+    def __init__(self) -> None:
+        self._models: dict[Path, Any] = {}
+        self._lock = threading.Lock()
+
+    def greedy(self, model_dir: Path, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
+        """``steps`` greedy tokens after ``prompt`` and each one's logprob."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        with self._lock:
+            if model_dir not in self._models:
+                self._models[model_dir] = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+            model = self._models[model_dir]
+        ids = list(prompt)
+        out: list[int] = []
+        logprobs: list[float] = []
+        with torch.no_grad():
+            for _ in range(steps):
+                logits = model(torch.tensor([ids])).logits[0, -1].float()
+                lp = torch.log_softmax(logits, dim=-1)
+                token = int(torch.argmax(lp))
+                out.append(token)
+                logprobs.append(float(lp[token]))
+                ids.append(token)
+        return out, logprobs

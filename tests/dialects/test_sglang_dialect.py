@@ -21,10 +21,9 @@ from typing import Any
 
 import httpx
 import pytest
-from dialect_servers import VENVS, DialectServer, free_port, rlinfer_serve_command, selected, started
+from dialect_servers import PROMPT, VENVS, DialectServer, Oracle, free_port, rlinfer_serve_command, selected, started
 
 SERVERS = selected(("sglang-reference", "rlinfer-vllm", "rlinfer-sglang"))
-PROMPT = [1, 5, 6, 7, 9, 11]
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0}
 LOGPROB_TOL = 2e-3
 
@@ -84,36 +83,6 @@ def server(
     command = rlinfer_serve_command(backend, tiny_models[0], "sglang", ready)
     with started(kind, command, env, tmp, ready, None) as served:
         yield served
-
-
-class Oracle:
-    """Greedy tokens and their logprobs from the Hugging Face model (float32, CPU)."""
-
-    def __init__(self) -> None:
-        self._models: dict[Path, Any] = {}
-        self._lock = threading.Lock()
-
-    def greedy(self, model_dir: Path, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
-        """``steps`` greedy tokens after ``prompt`` and each one's logprob."""
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        with self._lock:
-            if model_dir not in self._models:
-                self._models[model_dir] = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
-            model = self._models[model_dir]
-        ids = list(prompt)
-        out: list[int] = []
-        logprobs: list[float] = []
-        with torch.no_grad():
-            for _ in range(steps):
-                logits = model(torch.tensor([ids])).logits[0, -1].float()
-                lp = torch.log_softmax(logits, dim=-1)
-                token = int(torch.argmax(lp))
-                out.append(token)
-                logprobs.append(float(lp[token]))
-                ids.append(token)
-        return out, logprobs
 
 
 @pytest.fixture(scope="session")

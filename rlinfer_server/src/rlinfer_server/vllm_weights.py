@@ -48,7 +48,7 @@ class WeightSession:
         missing = {"master_address", "master_port", "rank_offset", "world_size"} - set(init_info)
         if missing:
             raise InvalidRequest(f"init_info.{sorted(missing)[0]}", "is required")
-        default_backend = "gloo" if state.engine.config.device == "cpu" else "nccl"
+        default_backend = "nccl" if state.engine.config.device != "cpu" and _has_cuda() else "gloo"
         group = BroadcastGroup(
             master_addr=str(init_info["master_address"]),
             master_port=int(init_info["master_port"]),
@@ -107,6 +107,12 @@ def _specs(chunk: Any) -> tuple[TensorSpec, ...]:
         TensorSpec(str(n), str(d).removeprefix("torch."), tuple(int(x) for x in s))
         for n, d, s in zip(names, dtypes, shapes, strict=True)
     )
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 def session_of(app: FastAPI) -> WeightSession:

@@ -1,0 +1,219 @@
+"""The vLLM dialect suite: the same tests against vLLM's own server (``vllm serve`` with
+``VLLM_SERVER_DEV_MODE=1`` and ``--enable-scale-out``, CPU) and ``rlinfer serve --dialect vllm``
+over the SGLang and the vLLM backend, with httpx as TRL's and SkyRL's clients use it.
+
+Run from ``.venvs/vllm``; the rlinfer server over SGLang runs from ``.venvs/sglang``. vLLM's own
+weight transfer does not run on CPU (``/init_weight_transfer_engine`` answers 500 "Cannot access
+accelerator device"), so the weight-transfer lifecycle is checked on rlinfer's servers only.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from dialect_servers import PROMPT, VENVS, DialectServer, Oracle, free_port, rlinfer_serve_command, selected, started
+
+SERVERS = selected(("vllm-reference", "rlinfer-sglang", "rlinfer-vllm"))
+GREEDY = {"max_tokens": 8, "temperature": 0.0}
+
+
+def _reference_command(model: Path, port: int) -> list[str]:
+    return [
+        str(VENVS / "vllm" / "bin" / "python"),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--kv-cache-memory-bytes",
+        str(64 << 20),
+        "--max-num-seqs",
+        "16",
+        "--seed",
+        "0",
+        "--enable-scale-out",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
+
+
+@pytest.fixture(scope="session", params=SERVERS)
+def server(
+    request: pytest.FixtureRequest, tiny_models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[DialectServer]:
+    """One server of each kind for the session (one engine at a time)."""
+    kind: str = request.param
+    tmp = tmp_path_factory.mktemp(kind)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if kind == "vllm-reference":
+        port = free_port()
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+        with started(kind, _reference_command(tiny_models[0], port), env, tmp, None, f"http://127.0.0.1:{port}") as s:
+            yield s
+        return
+    ready = tmp / "ready.json"
+    command = rlinfer_serve_command(kind.removeprefix("rlinfer-"), tiny_models[0], "vllm", ready)
+    with started(kind, command, env, tmp, ready, None) as served:
+        yield served
+
+
+@pytest.fixture(scope="session")
+def oracle() -> Oracle:
+    return Oracle()
+
+
+def token_generate(client: httpx.Client, **sampling: Any) -> dict[str, Any]:
+    r = client.post("/inference/v1/generate", json={"token_ids": PROMPT, "sampling_params": sampling})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_token_generate_matches_the_oracle(server: DialectServer, oracle: Oracle, tiny_models: Any) -> None:
+    tokens, logprobs = oracle.greedy(tiny_models[0], PROMPT, 8)
+    with server.client() as c:
+        answer = token_generate(c, **GREEDY, logprobs=1)
+    (choice,) = answer["choices"]
+    assert choice["token_ids"] == tokens
+    assert choice["finish_reason"] == "length"
+    content = choice["logprobs"]["content"]
+    assert [e["token_id"] for e in content] == tokens
+    assert [e["logprob"] for e in content] == pytest.approx(logprobs, abs=2e-3)
+    spans = choice["weight_versions"]
+    assert spans[0]["start"] == 0 and spans[-1]["end"] == 8
+
+
+def test_token_generate_n_and_stop_token(server: DialectServer, oracle: Oracle, tiny_models: Any) -> None:
+    tokens = oracle.greedy(tiny_models[0], PROMPT, 8)[0]
+    with server.client() as c:
+        answer = token_generate(c, max_tokens=8, temperature=1.0, n=2)  # vLLM refuses n > 1 when greedy
+        assert [ch["index"] for ch in answer["choices"]] == [0, 1]
+        assert all(len(ch["token_ids"]) == 8 for ch in answer["choices"])
+        stopped = token_generate(c, **GREEDY, stop_token_ids=[tokens[2]])
+    (choice,) = stopped["choices"]
+    assert choice["finish_reason"] == "stop"
+    assert choice["stop_reason"] == tokens[2]
+    assert choice["token_ids"][-1] == tokens[2] or choice["token_ids"] == tokens[:2]
+
+
+def test_bad_sampling_is_400(server: DialectServer) -> None:
+    with server.client() as c:
+        r = c.post("/inference/v1/generate", json={"token_ids": PROMPT, "sampling_params": {"temperature": -1.0}})
+        assert r.status_code == 400
+
+
+def test_pause_resume_is_paused(server: DialectServer, oracle: Oracle, tiny_models: Any) -> None:
+    with server.client() as c:
+        assert c.get("/is_paused").json() == {"is_paused": False}
+        for mode in ("keep", "abort", "wait"):
+            r = c.post(f"/pause?mode={mode}")
+            assert r.status_code == 200 and r.json() == {"status": "paused"}
+            assert c.get("/is_paused").json() == {"is_paused": True}
+            r = c.post("/resume")
+            assert r.status_code == 200 and r.json() == {"status": "resumed"}
+            assert c.get("/is_paused").json() == {"is_paused": False}
+        assert token_generate(c, **GREEDY)["choices"][0]["token_ids"] == oracle.greedy(tiny_models[0], PROMPT, 8)[0]
+
+
+def test_pause_keep_holds_a_request_until_resume(server: DialectServer, oracle: Oracle, tiny_models: Any) -> None:
+    import time
+
+    with server.client() as c, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        assert c.post("/pause?mode=keep").status_code == 200
+        future = pool.submit(token_generate, server.client(timeout=300), **GREEDY)
+        time.sleep(2.0)
+        assert not future.done()
+        assert c.post("/resume").status_code == 200
+        answer = future.result(timeout=120)
+    assert answer["choices"][0]["token_ids"] == oracle.greedy(tiny_models[0], PROMPT, 8)[0]
+
+
+def test_state_routes(server: DialectServer) -> None:
+    with server.client() as c:
+        assert c.get("/get_world_size").json() == {"world_size": 1}
+        assert c.get("/get_world_size?include_dp=false").json() == {"world_size": 1}
+        assert isinstance(c.get("/weight_info").json()["weight_version"], str)
+        assert c.get("/is_sleeping").json() == {"is_sleeping": False}
+        assert "vllm_config" in c.get("/server_info").json()
+        assert c.post("/reset_prefix_cache").status_code == 200
+        r = c.post("/abort_requests", json={})
+        assert r.status_code == 200 and r.json()["status"] == "aborted"
+        r = c.post("/abort_requests", json={"request_ids": ["no-such-request"]})
+        assert r.status_code == 200 and r.json() == {"status": "aborted", "aborted": 1}
+
+
+def test_update_weight_version_to_the_current_label(server: DialectServer) -> None:
+    with server.client() as c:
+        label = c.get("/weight_info").json()["weight_version"]
+        r = c.post("/update_weight_version", json={"new_version": label})
+        assert r.status_code == 200 and r.json() == {"success": True, "new_version": label}
+
+
+def test_control_routes_need_the_key(server: DialectServer) -> None:
+    if server.is_reference:
+        pytest.skip("vLLM's dev mode opens its RL routes without a key")
+    for path in ("/pause", "/resume", "/reset_prefix_cache", "/start_weight_update"):
+        assert httpx.post(server.url + path, timeout=30).status_code == 401
+
+
+def _tensors(model_dir: Path) -> list[tuple[str, Any]]:
+    from safetensors.torch import load_file
+
+    return sorted(load_file(str(model_dir / "model.safetensors")).items())
+
+
+def test_weight_transfer_lifecycle(server: DialectServer, oracle: Oracle, tiny_models: tuple[Path, Path]) -> None:
+    """TRL's sequence (pause keep -> init -> start -> update (two calls) -> finish -> resume) over
+    a gloo group; the new weights serve after finish with the version given, and calls out of
+    order are 409."""
+    if server.is_reference:
+        pytest.skip("vLLM's own weight transfer needs an accelerator (500 on CPU)")
+    from rlinfer_core.transfer.broadcast import WeightBroadcaster
+    from rlinfer_core.weights import BroadcastGroup
+
+    port = free_port()
+    group = BroadcastGroup("127.0.0.1", port, world_size=2, backend="gloo", group_name="weight_update_group")
+    tensors = _tensors(tiny_models[1])
+    halves = [tensors[: len(tensors) // 2], tensors[len(tensors) // 2 :]]
+    with server.client(timeout=300) as c, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        assert c.post("/update_weights", json={"update_info": {}}).status_code == 409
+        assert c.post("/finish_weight_update", json={}).status_code == 409
+        init_info = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2}
+        init = pool.submit(c.post, "/init_weight_transfer_engine", json={"init_info": init_info})
+        sender = WeightBroadcaster(group)
+        try:
+            assert init.result(timeout=180).status_code == 200
+            version = int(c.get("/weight_info").json()["weight_version"]) + 1
+            assert c.post("/pause?mode=keep").status_code == 200
+            assert c.post("/start_weight_update", json={"is_checkpoint_format": True}).status_code == 200
+            assert c.post("/start_weight_update", json={}).status_code == 409
+            for half in halves:
+                info = {
+                    "names": [n for n, _ in half],
+                    "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in half],
+                    "shapes": [list(t.shape) for _, t in half],
+                }
+                update = pool.submit(c.post, "/update_weights", json={"update_info": info})
+                sender.send(half)
+                assert update.result(timeout=180).status_code == 200
+            r = c.post("/finish_weight_update", json={"weight_version": str(version)})
+            assert r.status_code == 200, r.text
+            assert c.post("/resume").status_code == 200
+        finally:
+            with contextlib.suppress(Exception):
+                sender.close()
+        assert c.get("/weight_info").json() == {"weight_version": str(version)}
+        answer = token_generate(c, **GREEDY)
+        assert answer["choices"][0]["token_ids"] == oracle.greedy(tiny_models[1], PROMPT, 8)[0]
+        assert answer["choices"][0]["weight_versions"] == [{"version": str(version), "start": 0, "end": 8}]
