@@ -40,3 +40,20 @@ def test_added_is_applied_to_the_trainer_side_in_the_served_dtype() -> None:
         served["norm.weight"].dtype, served["norm.weight"].shape, served["norm.weight"].digest, 1.0
     )
     assert verify(served, [("norm.weight", w)]).ok
+
+
+def test_fingerprint_over_several_slabs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rlinfer_core import checksum
+
+    monkeypatch.setattr(checksum, "_SLAB", 1 << 15)
+    monkeypatch.setattr(checksum, "_WEIGHTS", {})
+    t = torch.randn(100_003)  # four slabs, the last one padded
+    served = {"w": tensor_checksum(t, algorithm="fp")}
+    assert verify(served, [("w", t.clone())]).ok
+    for index in (5, (1 << 15) + 7, 3 * (1 << 15) + 11):
+        changed = t.clone()
+        changed.view(torch.int32)[index] += 2**31 - 1
+        assert not verify(served, [("w", changed)]).ok, index
+    moved = t.clone()
+    moved[[0, 1 << 15]] = moved[[1 << 15, 0]]  # the same words in other slabs
+    assert not verify(served, [("w", moved)]).ok

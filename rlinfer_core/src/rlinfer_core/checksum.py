@@ -23,7 +23,7 @@ the engine used, so either side's tensor may live on either device:
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -63,12 +63,26 @@ class WeightVerification:
 
 #: the two moduli (primes) and position multipliers of the fingerprint
 _MODULI = ((2**31 - 1, 1), (2**31 - 19, 40503))
-#: positions cycle with this period (keeps every word x weight product below 2^47)
+#: positions within a slab cycle with this period (keeps every word x weight below 2^47)
 _PERIOD = 65521
-#: words summed in int64 before reducing (2^15 products of < 2^47 stay below 2^62)
+#: words summed in int64 before reducing (2^15 products below 2^47 stay below 2^62)
 _ROW = 1 << 15
-#: words per pass, to bound the int64 temporaries (128 MiB each)
-_SLAB = 1 << 24
+#: words per pass (a multiple of _ROW): bounds the int64 temporaries (32 MiB); slab k's sum is
+#: weighted by k + 1
+_SLAB = 1 << 22
+_WEIGHTS: dict[str, torch.Tensor] = {}
+
+
+def _weights(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-position weights ``[2, _SLAB]`` and the moduli ``[2, 1]`` on ``device`` (made once)."""
+    import torch
+
+    key = str(device)
+    if key not in _WEIGHTS:
+        index = torch.arange(_SLAB, dtype=torch.int64, device=device)
+        _WEIGHTS[key] = torch.stack([(index * m) % _PERIOD + 1 for _, m in _MODULI])
+        _WEIGHTS[f"{key}/moduli"] = torch.tensor([[p] for p, _ in _MODULI], dtype=torch.int64, device=device)
+    return _WEIGHTS[key], _WEIGHTS[f"{key}/moduli"]
 
 
 def _words(data: torch.Tensor) -> torch.Tensor:
@@ -83,21 +97,21 @@ def _words(data: torch.Tensor) -> torch.Tensor:
     return raw
 
 
-def _fingerprint(words: torch.Tensor) -> str:
+def _fingerprint_sums(words: torch.Tensor) -> torch.Tensor:
+    """The two sums ``[2]`` (int64, on the words' device; nothing waits for the device)."""
     import torch
 
-    sums = [0, 0]
-    for start in range(0, words.numel(), _SLAB):
+    weights, moduli = _weights(words.device)
+    total = torch.zeros(2, dtype=torch.int64, device=words.device)
+    for k, start in enumerate(range(0, words.numel(), _SLAB)):
         slab = words[start : start + _SLAB].to(torch.int64)
         pad = (-slab.numel()) % _ROW
         if pad:
             slab = torch.cat([slab, slab.new_zeros(pad)])
-        index = torch.arange(start, start + slab.numel(), device=slab.device, dtype=torch.int64)
-        for k, (modulus, multiplier) in enumerate(_MODULI):
-            weights = (index * multiplier) % _PERIOD + 1
-            rows = (slab * weights).view(-1, _ROW).sum(dim=1) % modulus
-            sums[k] = (sums[k] + int(rows.sum().item())) % modulus
-    return f"{sums[0]:08x}{sums[1]:08x}{words.numel():x}"
+        rows = (slab.unsqueeze(0) * weights[:, : slab.numel()]).view(2, -1, _ROW).sum(dim=2)
+        part = (rows % moduli).sum(dim=1) % moduli[:, 0]
+        total = (total + part * (k + 1)) % moduli[:, 0]
+    return total
 
 
 def _blake2b(data: torch.Tensor) -> str:
@@ -107,23 +121,66 @@ def _blake2b(data: torch.Tensor) -> str:
     return hashlib.blake2b(raw.numpy().tobytes(), digest_size=16).hexdigest()
 
 
+#: one tensor to check: (tensor, dtype or None for its own, added, algorithm or None for its device's)
+ChecksumItem = tuple["torch.Tensor", str | None, float, str | None]
+
+
+def _read_back(pending: list[torch.Tensor]) -> list[list[int]]:
+    """The fingerprint sums, one transfer per device."""
+    import torch
+
+    out: list[list[int]] = [[] for _ in pending]
+    for device in {str(t.device) for t in pending}:
+        indices = [i for i, t in enumerate(pending) if str(t.device) == device]
+        for i, row in zip(indices, torch.stack([pending[i] for i in indices]).tolist(), strict=True):
+            out[i] = row
+    return out
+
+
+def tensor_checksums(items: Sequence[ChecksumItem]) -> list[WeightChecksum]:
+    """:func:`tensor_checksum` of many tensors; GPU fingerprints are read back in one transfer."""
+    import torch
+
+    kinds: list[str] = []
+    bodies: list[str | None] = []
+    pending: list[torch.Tensor] = []
+    numels: list[int] = []
+    metas: list[tuple[str, tuple[int, ...], float]] = []
+    with torch.no_grad():
+        for tensor, dtype, added, algorithm in items:
+            target = getattr(torch, dtype) if dtype else tensor.dtype
+            kind = algorithm or ("fp" if tensor.device.type == "cuda" else "b2")
+            data = tensor.detach().to(dtype=target)
+            if added:
+                data = data + added
+            data = data.contiguous()
+            metas.append((str(target).removeprefix("torch."), tuple(tensor.shape), added))
+            kinds.append(kind)
+            if kind == "fp" and data.numel():
+                words = _words(data)
+                pending.append(_fingerprint_sums(words))
+                numels.append(words.numel())
+                bodies.append(None)
+            else:
+                bodies.append(_blake2b(data))
+        sums = _read_back(pending)
+    out: list[WeightChecksum] = []
+    found = iter(zip(sums, numels, strict=True))
+    for kind, body, (dtype_name, shape, added) in zip(kinds, bodies, metas, strict=True):
+        if body is None:
+            (first, second), count = next(found)
+            body = f"{first:08x}{second:08x}{count:x}"
+        out.append(WeightChecksum(dtype_name, shape, f"{kind}:{body}", added))
+    return out
+
+
 def tensor_checksum(
     tensor: torch.Tensor, dtype: str | None = None, added: float = 0.0, algorithm: str | None = None
 ) -> WeightChecksum:
     """Checksum of ``tensor`` cast to ``dtype`` (default: its own dtype), plus ``added`` (see
     :attr:`WeightChecksum.added`; the engine reports its served tensor with ``added=0``).
     ``algorithm``: ``"b2"`` or ``"fp"`` (module docstring); default by the tensor's device."""
-    import torch
-
-    target = getattr(torch, dtype) if dtype else tensor.dtype
-    kind = algorithm or ("fp" if tensor.device.type == "cuda" else "b2")
-    with torch.no_grad():
-        data = tensor.detach().to(dtype=target)
-        if added:
-            data = data + added
-        data = data.contiguous()
-        body = _fingerprint(_words(data)) if kind == "fp" and data.numel() else _blake2b(data)
-    return WeightChecksum(str(target).removeprefix("torch."), tuple(tensor.shape), f"{kind}:{body}", added)
+    return tensor_checksums([(tensor, dtype, added, algorithm)])[0]
 
 
 def digest_algorithm(checksum: WeightChecksum) -> str:
@@ -148,12 +205,17 @@ def verify(
         if served_name in served and served_name not in given and trainer_name in given:
             pairs.append((served_name, trainer_name))
     checked, mismatched, missing = [], [], []
+    compared: list[tuple[str, WeightChecksum]] = []
+    items: list[ChecksumItem] = []
     for served_name, trainer_name in pairs:
         mine = served.get(served_name)
         if mine is None:
             missing.append(served_name)
             continue
         checked.append(served_name)
-        if tensor_checksum(given[trainer_name], mine.dtype, mine.added, digest_algorithm(mine)) != mine:
+        compared.append((served_name, mine))
+        items.append((given[trainer_name], mine.dtype, mine.added, digest_algorithm(mine)))
+    for (served_name, mine), theirs in zip(compared, tensor_checksums(items), strict=True):
+        if theirs != mine:
             mismatched.append(served_name)
     return WeightVerification(tuple(checked), tuple(mismatched), tuple(missing))

@@ -212,22 +212,24 @@ def _served_experts(params: dict[str, Any], names: list[str]) -> dict[str, Any]:
 def _checksums(model: Any, specs: list[list[Any]]) -> dict[str, list[Any]]:
     """[dtype, shape, digest, added] of every spec name the engine serves (see
     :class:`rlinfer_core.checksum.WeightChecksum`); read by :func:`served_checksums`."""
-    from rlinfer_core.checksum import tensor_checksum
+    from rlinfer_core.checksum import tensor_checksums
 
     params = dict(model.named_parameters())
     shapes = {name: list(shape) for name, shape in specs}
     experts = _served_experts(params, list(shapes))
     plus_one = type(model).__name__ in PLUS_ONE_NORMS
-    out = {}
+    found: dict[str, Any] = {}
     for name in shapes:
         tensor = experts.get(name)
         if tensor is None or list(tensor.shape) != shapes[name]:
             tensor = _served(model, params, name, shapes)
         if tensor is not None:
-            added = 1.0 if plus_one and name.endswith("norm.weight") else 0.0
-            c = tensor_checksum(tensor)
-            out[name] = [c.dtype, list(c.shape), c.digest, added]
-    return out
+            found[name] = tensor
+    sums = tensor_checksums([(tensor, None, 0.0, None) for tensor in found.values()])
+    return {
+        name: [c.dtype, list(c.shape), c.digest, 1.0 if plus_one and name.endswith("norm.weight") else 0.0]
+        for name, c in zip(found, sums, strict=True)
+    }
 
 
 def served_checksums(outcome: dict[str, Any]) -> dict[str, WeightChecksum]:

@@ -283,7 +283,7 @@ class RLInferWorkerExtension:
         """(HF name, dtype, shape, digest) of every checkpoint tensor as the kernels serve it, plus
         the served names in ``tied`` (a tied output head) with the shape of the tensor they tie to.
         See :mod:`rlinfer_vllm.served`."""
-        from rlinfer_core.checksum import tensor_checksum
+        from rlinfer_core.checksum import tensor_checksums
         from rlinfer_vllm.served import served_tensors
 
         if self.vllm_config.parallel_config.tensor_parallel_size != 1:
@@ -293,11 +293,8 @@ class RLInferWorkerExtension:
             if served_name not in names and source in names:
                 names[served_name] = names[source]
         tensors = served_tensors(self.model_runner.get_model(), names, self.vllm_config.model_config.dtype)
-        out = []
-        for name, tensor in tensors.items():
-            c = tensor_checksum(tensor)
-            out.append((name, c.dtype, list(c.shape), c.digest))
-        return out
+        sums = tensor_checksums([(tensor, None, 0.0, None) for tensor in tensors.values()])
+        return [(name, c.dtype, list(c.shape), c.digest) for name, c in zip(tensors, sums, strict=True)]
 
     # --- loading ------------------------------------------------------------------------------
 
