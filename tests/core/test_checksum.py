@@ -42,18 +42,21 @@ def test_added_is_applied_to_the_trainer_side_in_the_served_dtype() -> None:
     assert verify(served, [("norm.weight", w)]).ok
 
 
-def test_fingerprint_over_several_slabs(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fingerprints_in_passes_over_many_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
     from rlinfer_core import checksum
 
-    monkeypatch.setattr(checksum, "_SLAB", 1 << 15)
-    monkeypatch.setattr(checksum, "_WEIGHTS", {})
-    t = torch.randn(100_003)  # four slabs, the last one padded
-    served = {"w": tensor_checksum(t, algorithm="fp")}
-    assert verify(served, [("w", t.clone())]).ok
-    for index in (5, (1 << 15) + 7, 3 * (1 << 15) + 11):
-        changed = t.clone()
+    monkeypatch.setattr(checksum, "_GROUP_ROWS", 4)  # a long tensor spans passes; short ones share one
+    tensors = {"long": torch.randn(100_003), "a": torch.randn(7), "b": torch.randn(3, 5), "c": torch.randn(4097)}
+    served = dict(
+        zip(tensors, checksum.tensor_checksums([(t, None, 0.0, "fp") for t in tensors.values()]), strict=True)
+    )
+    assert served == {n: tensor_checksum(t, algorithm="fp") for n, t in tensors.items()}  # batching changes nothing
+    assert verify(served, [(n, t.clone()) for n, t in tensors.items()]).ok
+    for index in (5, 4096 * 9 + 7, 100_002):  # rows of different passes, and the padded last row
+        changed = tensors["long"].clone()
         changed.view(torch.int32)[index] += 2**31 - 1
-        assert not verify(served, [("w", changed)]).ok, index
-    moved = t.clone()
-    moved[[0, 1 << 15]] = moved[[1 << 15, 0]]  # the same words in other slabs
-    assert not verify(served, [("w", moved)]).ok
+        result = verify(served, [*((n, t) for n, t in tensors.items() if n != "long"), ("long", changed)])
+        assert result.mismatched == ("long",), index
+    moved = tensors["long"].clone()
+    moved[[0, 4096]] = moved[[4096, 0]]  # the same words in other rows
+    assert not verify(served, [("long", moved)]).ok

@@ -61,28 +61,28 @@ class WeightVerification:
         return not self.mismatched and not self.missing
 
 
-#: the two moduli (primes) and position multipliers of the fingerprint
+#: the two moduli (primes) and column multipliers of the fingerprint
 _MODULI = ((2**31 - 1, 1), (2**31 - 19, 40503))
-#: positions within a slab cycle with this period (keeps every word x weight below 2^47)
+#: column weights are ``(column * multiplier) % _PERIOD + 1``: every word x weight is below 2^47
 _PERIOD = 65521
-#: words summed in int64 before reducing (2^15 products below 2^47 stay below 2^62)
-_ROW = 1 << 15
-#: words per pass (a multiple of _ROW): bounds the int64 temporaries (32 MiB); slab k's sum is
-#: weighted by k + 1
-_SLAB = 1 << 22
-_WEIGHTS: dict[str, torch.Tensor] = {}
+#: words per row: a row's 2^12 products stay below 2^59 in int64
+_ROW = 1 << 12
+#: rows per pass: 8M words, 64 MiB of int64 (twice that for the products)
+_GROUP_ROWS = 1 << 11
+_CONSTANTS: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
-def _weights(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-position weights ``[2, _SLAB]`` and the moduli ``[2, 1]`` on ``device`` (made once)."""
+def _constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Column weights ``[2, 1, _ROW]``, moduli ``[2, 1]`` and a row of zero words, made once."""
     import torch
 
     key = str(device)
-    if key not in _WEIGHTS:
-        index = torch.arange(_SLAB, dtype=torch.int64, device=device)
-        _WEIGHTS[key] = torch.stack([(index * m) % _PERIOD + 1 for _, m in _MODULI])
-        _WEIGHTS[f"{key}/moduli"] = torch.tensor([[p] for p, _ in _MODULI], dtype=torch.int64, device=device)
-    return _WEIGHTS[key], _WEIGHTS[f"{key}/moduli"]
+    if key not in _CONSTANTS:
+        column = torch.arange(_ROW, dtype=torch.int64, device=device)
+        weights = torch.stack([(column * m) % _PERIOD + 1 for _, m in _MODULI]).unsqueeze(1)
+        moduli = torch.tensor([[p] for p, _ in _MODULI], dtype=torch.int64, device=device)
+        _CONSTANTS[key] = (weights, moduli, torch.zeros(_ROW, dtype=torch.int32, device=device))
+    return _CONSTANTS[key]
 
 
 def _words(data: torch.Tensor) -> torch.Tensor:
@@ -97,21 +97,48 @@ def _words(data: torch.Tensor) -> torch.Tensor:
     return raw
 
 
-def _fingerprint_sums(words: torch.Tensor) -> torch.Tensor:
-    """The two sums ``[2]`` (int64, on the words' device; nothing waits for the device)."""
+def _fingerprints(runs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Fingerprint sums ``[2, len(runs)]`` (int64) of word runs on one device, computed in passes
+    over many tensors at once (rows never straddle two tensors); nothing waits for the device.
+
+    Row ``r`` of a run (``_ROW`` words, the last one zero-padded) sums ``word x column weight``;
+    the run's sum is ``sum_r (row sum mod p) x (r + 1) mod p`` for each modulus ``p``.
+    """
     import torch
 
-    weights, moduli = _weights(words.device)
-    total = torch.zeros(2, dtype=torch.int64, device=words.device)
-    for k, start in enumerate(range(0, words.numel(), _SLAB)):
-        slab = words[start : start + _SLAB].to(torch.int64)
-        pad = (-slab.numel()) % _ROW
-        if pad:
-            slab = torch.cat([slab, slab.new_zeros(pad)])
-        rows = (slab.unsqueeze(0) * weights[:, : slab.numel()]).view(2, -1, _ROW).sum(dim=2)
-        part = (rows % moduli).sum(dim=1) % moduli[:, 0]
-        total = (total + part * (k + 1)) % moduli[:, 0]
-    return total
+    device = runs[0].device
+    weights, moduli, zeros = _constants(device)
+    chunks: list[tuple[int, int, int]] = []  # (run, first row, rows)
+    for index, run in enumerate(runs):
+        rows = -(-run.numel() // _ROW)
+        chunks.extend((index, first, min(_GROUP_ROWS, rows - first)) for first in range(0, rows, _GROUP_ROWS))
+    out = torch.zeros(2, len(runs), dtype=torch.int64, device=device)
+    group: list[tuple[int, int, int]] = []
+    filled = 0
+    for chunk in [*chunks, None]:
+        if chunk is not None and filled + chunk[2] <= _GROUP_ROWS:
+            group.append(chunk)
+            filled += chunk[2]
+            continue
+        if group:
+            parts: list[torch.Tensor] = []
+            owners: list[int] = []
+            positions: list[int] = []
+            for index, first, rows in group:
+                words = runs[index][first * _ROW : (first + rows) * _ROW].to(torch.int32)
+                parts.append(words)
+                if words.numel() < rows * _ROW:
+                    parts.append(zeros[: rows * _ROW - words.numel()])
+                owners.extend([index] * rows)
+                positions.extend(range(first + 1, first + rows + 1))
+            block = torch.cat(parts).to(torch.int64).view(1, -1, _ROW)
+            row_sums = (block * weights).sum(dim=2) % moduli
+            scale = torch.tensor(positions, dtype=torch.int64).to(device, non_blocking=True)
+            owner = torch.tensor(owners, dtype=torch.int64).to(device, non_blocking=True)
+            out.index_add_(1, owner, (row_sums * scale) % moduli)
+            out %= moduli
+        group, filled = ([chunk], chunk[2]) if chunk is not None else ([], 0)
+    return out
 
 
 def _blake2b(data: torch.Tensor) -> str:
@@ -125,53 +152,37 @@ def _blake2b(data: torch.Tensor) -> str:
 ChecksumItem = tuple["torch.Tensor", str | None, float, str | None]
 
 
-def _read_back(pending: list[torch.Tensor]) -> list[list[int]]:
-    """The fingerprint sums, one transfer per device."""
-    import torch
-
-    out: list[list[int]] = [[] for _ in pending]
-    for device in {str(t.device) for t in pending}:
-        indices = [i for i, t in enumerate(pending) if str(t.device) == device]
-        for i, row in zip(indices, torch.stack([pending[i] for i in indices]).tolist(), strict=True):
-            out[i] = row
-    return out
-
-
 def tensor_checksums(items: Sequence[ChecksumItem]) -> list[WeightChecksum]:
-    """:func:`tensor_checksum` of many tensors; GPU fingerprints are read back in one transfer."""
+    """:func:`tensor_checksum` of many tensors; GPU fingerprints in passes over many tensors at
+    once, read back in one transfer per device."""
     import torch
 
-    kinds: list[str] = []
-    bodies: list[str | None] = []
-    pending: list[torch.Tensor] = []
-    numels: list[int] = []
-    metas: list[tuple[str, tuple[int, ...], float]] = []
+    bodies: list[str] = []
+    metas: list[tuple[str, str, tuple[int, ...], float]] = []
+    runs: dict[str, list[tuple[int, torch.Tensor]]] = {}  # device -> (item, words)
     with torch.no_grad():
-        for tensor, dtype, added, algorithm in items:
+        for position, (tensor, dtype, added, algorithm) in enumerate(items):
             target = getattr(torch, dtype) if dtype else tensor.dtype
             kind = algorithm or ("fp" if tensor.device.type == "cuda" else "b2")
             data = tensor.detach().to(dtype=target)
             if added:
                 data = data + added
             data = data.contiguous()
-            metas.append((str(target).removeprefix("torch."), tuple(tensor.shape), added))
-            kinds.append(kind)
+            metas.append((kind, str(target).removeprefix("torch."), tuple(tensor.shape), added))
             if kind == "fp" and data.numel():
                 words = _words(data)
-                pending.append(_fingerprint_sums(words))
-                numels.append(words.numel())
-                bodies.append(None)
+                runs.setdefault(str(words.device), []).append((position, words))
+                bodies.append(f"{words.numel():x}")
             else:
                 bodies.append(_blake2b(data))
-        sums = _read_back(pending)
-    out: list[WeightChecksum] = []
-    found = iter(zip(sums, numels, strict=True))
-    for kind, body, (dtype_name, shape, added) in zip(kinds, bodies, metas, strict=True):
-        if body is None:
-            (first, second), count = next(found)
-            body = f"{first:08x}{second:08x}{count:x}"
-        out.append(WeightChecksum(dtype_name, shape, f"{kind}:{body}", added))
-    return out
+        for found in runs.values():
+            sums = _fingerprints([words for _, words in found]).t().tolist()
+            for (position, _), (first, second) in zip(found, sums, strict=True):
+                bodies[position] = f"{first:08x}{second:08x}{bodies[position]}"
+    return [
+        WeightChecksum(dtype_name, shape, f"{kind}:{body}", added)
+        for (kind, dtype_name, shape, added), body in zip(metas, bodies, strict=True)
+    ]
 
 
 def tensor_checksum(
