@@ -93,6 +93,26 @@ def make_models(tmp: Path, architecture: str) -> tuple[Path, Path]:
     return base, make_tiny_model(tmp / f"{architecture}-seed1", seed=1, spec=spec)
 
 
+def open_or_skip(
+    backend: str, config: EngineConfig, report: KitReport, label: str, why: str, plugins: Sequence[object] = ()
+) -> Engine:
+    """An engine of its own for a per-architecture test, its start time in the report as
+    ``engine_start_<label>``; a backend's UnsupportedCapability skips the test with ``why`` and the
+    backend's reason (the skip and its reason are kept in the report)."""
+    import pytest
+
+    from rlinfer_core.engine import open_engine
+    from rlinfer_core.errors import UnsupportedCapability
+
+    started = time.perf_counter()
+    try:
+        engine = open_engine(backend, config, plugins=list(plugins))
+    except UnsupportedCapability as exc:
+        pytest.skip(f"{why}: {exc}")
+    report.timings[f"engine_start_{label}"] = time.perf_counter() - started
+    return engine
+
+
 def default_config(model_dir: Path, overrides: Mapping[str, Any]) -> EngineConfig:
     """The kit's engine: float32, short context, small KV cache, seed 0, bounded timeouts."""
     fields: dict[str, Any] = {

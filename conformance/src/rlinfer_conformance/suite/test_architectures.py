@@ -9,7 +9,6 @@ checked against the oracle and (with ``weights.checksum``) by integrity readback
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,15 @@ from typing import Any
 import pytest
 
 from rlinfer_conformance.report import KitReport
-from rlinfer_conformance.world import BASE, OTHER, EventRecorder, KitWorld, default_config, make_models
+from rlinfer_conformance.world import (
+    BASE,
+    OTHER,
+    EventRecorder,
+    KitWorld,
+    default_config,
+    make_models,
+    open_or_skip,
+)
 from rlinfer_core.tiny_model import ARCHITECTURES
 from rlinfer_core.types import Capability
 
@@ -46,8 +53,6 @@ def rlinfer_arch_world(
     """An engine on the tiny model of one more architecture, with its oracle."""
     from rlinfer_conformance.oracle import Oracle, tie_band
     from rlinfer_conformance.world import LOGPROB_TOLERANCE
-    from rlinfer_core.engine import open_engine
-    from rlinfer_core.errors import UnsupportedCapability
 
     architecture = str(request.param)
     tmp = Path(tmp_path_factory.mktemp(f"rlinfer-kit-{architecture}"))
@@ -57,12 +62,7 @@ def rlinfer_arch_world(
     oracle.add(BASE, base_dir)
     oracle.add(OTHER, other_dir)
     events = EventRecorder()
-    started = time.perf_counter()
-    try:
-        engine = open_engine(rlinfer_backend, config, plugins=[events])
-    except UnsupportedCapability as exc:  # the backend's stated refusal, kept in the report
-        pytest.skip(f"{architecture}: {exc}")
-    rlinfer_report.timings[f"engine_start_{architecture}"] = time.perf_counter() - started
+    engine = open_or_skip(rlinfer_backend, config, rlinfer_report, architecture, architecture, [events])
     world = KitWorld(engine, oracle, rlinfer_report, events, tmp, architecture=architecture)
     try:
         yield world

@@ -11,7 +11,6 @@ ask gets none.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ from typing import Any
 import pytest
 
 from rlinfer_conformance.report import KitReport
-from rlinfer_conformance.world import default_config, make_models
+from rlinfer_conformance.world import default_config, make_models, open_or_skip
 from rlinfer_core.routing import MISSING
 from rlinfer_core.tiny_model import MOE_ARCHITECTURES
 from rlinfer_core.types import Capability, Completion, GenerateRequest, SamplingParams
@@ -68,19 +67,12 @@ def rlinfer_routing_engine(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rlinfer_core.engine import open_engine
-    from rlinfer_core.errors import UnsupportedCapability
-
     architecture = str(request.param)
     tmp = Path(tmp_path_factory.mktemp(f"rlinfer-kit-routes-{architecture}"))
     base_dir, _ = make_models(tmp, architecture)
     config = default_config(base_dir, {**rlinfer_config_overrides, "enable_routed_experts": True})
-    started = time.perf_counter()
-    try:
-        engine = open_engine(rlinfer_backend, config)
-    except UnsupportedCapability as exc:  # the backend does not claim it here: nothing to check
-        pytest.skip(f"{Capability.GENERATE_ROUTED_EXPERTS.value} not supported: {exc}")
-    rlinfer_report.timings[f"engine_start_routes_{architecture}"] = time.perf_counter() - started
+    why = f"{Capability.GENERATE_ROUTED_EXPERTS.value} not supported"
+    engine = open_or_skip(rlinfer_backend, config, rlinfer_report, f"routes_{architecture}", why)
     hf_model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32).eval()
     try:
         yield RoutingEngine(engine, hf_model, architecture)
