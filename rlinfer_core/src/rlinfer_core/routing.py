@@ -123,6 +123,18 @@ def aligned(rows: Any, start: int, num_tokens: int, num_layers: int, top_k: int)
     return RoutedExperts.from_array(out)
 
 
+def engine_rows(routes: RoutedExperts, start: int = 0) -> np.ndarray:
+    """The reverse of :func:`aligned`: the engines' own layout of a completion's routes, rows for
+    positions ``[start, len(P) + len(C) - 1)`` as an int32 array ``[n, num_layers, top_k]`` (SGLang's
+    ``routed_experts_start_len``, vLLM's ``routed_experts_prompt_start``; the last token, never fed
+    through the model, has no row; a ``start`` past it gives no rows). Rows rlinfer could not report
+    stay :data:`MISSING`."""
+    import numpy as np
+
+    end = max(routes.num_tokens - 1, 0)
+    return np.ascontiguousarray(routes.array()[min(max(start, 0), end) : end], dtype="<i4")
+
+
 @functools.lru_cache(maxsize=64)
 def moe_shape(model: str) -> tuple[int, int] | None:
     """``(num_hidden_layers, num_experts_per_tok)`` of an MoE model directory, None when the

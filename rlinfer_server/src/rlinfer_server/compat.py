@@ -44,7 +44,9 @@ UNSUPPORTED: Mapping[str, Unsupported] = {
     "vllm_xargs": Unsupported(({},), "vLLM's custom extension arguments have no engine-neutral meaning"),
     "repetition_detection": Unsupported((), _ENGINE),
     "thinking_token_budget": Unsupported((), "no reasoning parser runs in rlinfer serve"),
-    "routed_experts_prompt_start": Unsupported((0,), "routed-expert data is not returned"),
+    "routed_experts_prompt_start": Unsupported(
+        (0,), "routes (return_routed_experts) always cover the whole prompt; slice them client-side"
+    ),
     "return_token_offsets": Unsupported((False,), "token offsets are not returned"),
     "mm_payload": Unsupported(("tensors", "none"), _NO_MM),
     "return_mm_kwargs": Unsupported((True, False), _NO_MM),

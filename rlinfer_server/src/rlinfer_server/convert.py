@@ -5,7 +5,10 @@ package): ``token_ids``, ``prompt_token_ids``, ``token_logprobs`` (the sampled t
 always returned) and ``token_versions`` (the weight version that produced each token); the
 response has ``weight_version`` (the newest of them). ``text`` is always the tokenizer's decode of
 ``token_ids`` (special tokens skipped unless ``skip_special_tokens: false``), so streamed text
-concatenates to the batch text.
+concatenates to the batch text. A request with ``return_routed_experts: true`` (SGLang's name;
+vLLM's OpenAI server has no such field) gets ``routed_experts`` on each choice: nested lists
+``[len(prompt_token_ids) + len(token_ids)][layers][top_k]``, row ``i`` the experts of position
+``i`` of prompt plus completion, -1 where there is no route (always the last token's row).
 """
 
 from __future__ import annotations
@@ -83,6 +86,12 @@ def _prompt_logprobs(body: SamplingFields) -> bool:
     return True
 
 
+def _routed_experts(body: SamplingFields) -> bool:
+    if body.return_routed_experts and body.stream:
+        raise InvalidRequest("return_routed_experts", "routes come with batch answers, not when streaming")
+    return body.return_routed_experts
+
+
 def _sampling(
     body: SamplingFields, max_tokens: int, logprobs: int, structured: StructuredOutput | None = None
 ) -> SamplingParams:
@@ -115,6 +124,7 @@ def _sampling(
         logprobs_mode=body.logprobs_mode,
         prompt_logprobs=_prompt_logprobs(body),
         structured=structured,
+        return_routed_experts=_routed_experts(body),
     )
 
 
@@ -186,6 +196,12 @@ def _extras(c: Completion | CompletionDelta) -> dict[str, Any]:
         "token_logprobs": list(c.logprobs),
         "token_versions": list(c.token_versions or ()),
     }
+
+
+def _routes(c: Completion) -> dict[str, Any]:
+    """``routed_experts`` of a choice whose request asked: ``[tokens][layers][top_k]`` over prompt
+    plus completion (:mod:`rlinfer_core.routing`'s alignment, -1 for a position without a route)."""
+    return {} if c.routed_experts is None else {"routed_experts": c.routed_experts.tolist()}
 
 
 def _completion_logprobs(
@@ -260,6 +276,7 @@ def completion_response(
             "prompt_token_ids": list(c.prompt_token_ids),
             "prompt_logprobs": prompt_logprobs(c, tokens, as_ids),
             **_extras(c),
+            **_routes(c),
         }
         choices.append(choice)
     choices.sort(key=lambda ch: ch["index"])
@@ -297,6 +314,7 @@ def chat_response(
             "stop_reason": c.stop_reason,
             "prompt_token_ids": list(c.prompt_token_ids),
             **_extras(c),
+            **_routes(c),
         }
         if said.errors:
             choice["tool_call_errors"] = [dict(e) for e in said.errors]

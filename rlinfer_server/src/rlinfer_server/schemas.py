@@ -125,6 +125,8 @@ class SamplingFields(VllmCompatFields):
     skip_special_tokens: bool = True
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsIn | None = None
+    #: each choice carries ``routed_experts`` (SGLang's name; capability generate.routed_experts)
+    return_routed_experts: bool = False
 
 
 class CompletionRequest(SamplingFields):

@@ -1,7 +1,9 @@
 """SGLang's ``/generate`` over an rlinfer engine: its body -> GenerateRequests, Completions -> its
 answer (``text``, ``output_ids``, ``meta_info`` with ``finish_reason``, token counts,
 ``output_token_logprobs`` ``[[logprob, token_id, text|None]...]``, ``weight_version`` and
-``weight_versions`` spans).
+``weight_versions`` spans; ``routed_experts`` when ``return_routed_experts``: base64 of int32
+``[positions, layers, top_k]`` for positions ``[routed_experts_start_len, prompt + output - 1)``,
+as SGLang's detokenizer encodes it; :func:`rlinfer_core.routing.engine_rows`).
 
 Batches behave as SGLang's: a list of prompts (or ``n`` > 1) answers a list, prompt-major (the
 ``n`` samples of prompt *i* are contiguous); one prompt with ``n`` = 1 answers one object.
@@ -37,6 +39,8 @@ class PromptPlan:
     skip_special_tokens: bool
     no_stop_trim: bool
     stop: tuple[str, ...]
+    #: first position of ``meta_info.routed_experts`` (None: routes not asked)
+    routes_from: int | None = None
 
 
 @attrs.frozen
@@ -168,10 +172,39 @@ def generate_plan(body: SglGenerateBody, tokens: Tokens) -> GeneratePlan:
                 stop=sampling.stop,
             )
         )
+    if body.return_routed_experts:
+        requests, plans = _with_routes(body, requests, plans)
     many = batched or any(r.sampling.n > 1 for r in requests)
     if body.stream and many:
         raise InvalidRequest("stream", "streaming takes one prompt with n = 1 here")
     return GeneratePlan(tuple(requests), tuple(plans), many)
+
+
+def _with_routes(
+    body: SglGenerateBody, requests: list[GenerateRequest], plans: list[PromptPlan]
+) -> tuple[list[GenerateRequest], list[PromptPlan]]:
+    """Ask every request for its routes (SGLang's ``return_routed_experts``); the start position
+    must lie in ``[0, prompt tokens]`` as SGLang checks it."""
+    if body.stream:
+        raise InvalidRequest("return_routed_experts", "routes come with batch answers, not when streaming")
+    start = body.routed_experts_start_len
+    for r in requests:
+        prompt = len(r.prompt_token_ids or ())
+        if not 0 <= start <= prompt:
+            raise InvalidRequest("routed_experts_start_len", f"must be in [0, {prompt}] (the prompt), got {start}")
+    asked = [attrs.evolve(r, sampling=attrs.evolve(r.sampling, return_routed_experts=True)) for r in requests]
+    return asked, [attrs.evolve(p, routes_from=start) for p in plans]
+
+
+def routes_base64(c: Completion, start: int) -> str | None:
+    """SGLang's ``meta_info.routed_experts``: base64 of the int32 rows ``[start, tokens - 1)``."""
+    if c.routed_experts is None:
+        return None
+    import base64
+
+    from rlinfer_core.routing import engine_rows
+
+    return base64.b64encode(engine_rows(c.routed_experts, start).tobytes()).decode("ascii")
 
 
 def finish_reason(c: Completion) -> dict[str, Any] | None:
@@ -235,6 +268,9 @@ def answer_of(c: Completion, plan: PromptPlan, tokens: Tokens, sample_id: str) -
                 [_entry(tokens, lp, t, with_text) for t, lp in sorted(top.items(), key=lambda kv: -kv[1])]
                 for top in c.top_logprobs
             ]
+    routes = None if plan.routes_from is None else routes_base64(c, plan.routes_from)
+    if routes is not None:  # SGLang leaves the key out of an answer without routes
+        meta["routed_experts"] = routes
     return {"text": _text(c, plan, tokens), "output_ids": list(c.token_ids), "meta_info": meta}
 
 

@@ -67,8 +67,10 @@ class SglGenerateBody(Body):
     session_id: str | None = None  # a routing hint (consistent hashing in SGLang's router)
     data_parallel_rank: int | None = None  # a routing hint
     priority: Literal[0] | None = None
+    #: ``meta_info.routed_experts`` (capability generate.routed_experts), rows from this position
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
     # accepted at their neutral values only
-    return_routed_experts: Literal[False] = False
     return_hidden_states: Literal[False] = False
     token_ids_logprob: None = None
     image_data: None = None

@@ -24,6 +24,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Body, Query, Request
 from fastapi.responses import JSONResponse, Response
 
+from rlinfer_core.capability import Capability
 from rlinfer_core.errors import RLInferError
 from rlinfer_core.types import PauseMode
 from rlinfer_server.dialect_common import VersionConflict, error_status, parse_version, state_of
@@ -244,7 +245,8 @@ async def weight_info(request: Request) -> dict[str, str]:
 async def inference_generate(body: VllmGenerateBody, request: Request) -> JSONResponse:
     """Token ids in; ``token_ids``, ``logprobs`` and ``weight_versions`` spans out, per choice."""
     state = state_of(request)
-    generate_request = generate_requests(body)
+    routes = state.engine.capabilities.supports(Capability.GENERATE_ROUTED_EXPERTS)
+    generate_request = generate_requests(body, routes)
     completions = await state.engine.generate([generate_request])
     return JSONResponse(generate_answer(body, generate_request, completions, state.settings.served_model_name))
 

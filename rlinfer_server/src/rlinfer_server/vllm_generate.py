@@ -1,7 +1,13 @@
 """vLLM's token-in endpoint ``/inference/v1/generate`` over an rlinfer engine: ``token_ids`` and
 vLLM ``sampling_params`` in; per choice ``token_ids``, ``finish_reason``, ``stop_reason``,
 ``logprobs.content[{token_id, logprob, top_logprobs}]`` and ``weight_versions`` spans out
-(``vllm/entrypoints/scale_out/token_in_token_out/protocol.py``)."""
+(``vllm/entrypoints/scale_out/token_in_token_out/protocol.py``).
+
+Routes as vLLM gives them: no per-request switch; on an engine started with
+``enable_routed_experts`` (capability generate.routed_experts) every choice has ``routed_experts``,
+base64 of ``.npy`` bytes (``np.load(io.BytesIO(base64.b64decode(s)))``) of an int32 array
+``[prompt + output - 1 - routed_experts_prompt_start, layers, top_k]``
+(:func:`rlinfer_core.routing.engine_rows`); -1 marks a position without a route."""
 
 from __future__ import annotations
 
@@ -40,6 +46,8 @@ class VllmSamplingParams(Body):
     include_stop_str_in_output: bool = False
     prompt_logprobs: None = None
     spaces_between_special_tokens: Literal[True] = True
+    #: the first position of ``routed_experts`` (in [0, prompt tokens])
+    routed_experts_prompt_start: int = 0
 
 
 class VllmGenerateBody(Body):
@@ -58,11 +66,17 @@ class VllmGenerateBody(Body):
     kv_transfer_params: None = None
 
 
-def generate_requests(body: VllmGenerateBody) -> GenerateRequest:
-    """The GenerateRequest of a body (checked before anything reaches the engine)."""
+def generate_requests(body: VllmGenerateBody, routes: bool = False) -> GenerateRequest:
+    """The GenerateRequest of a body (checked before anything reaches the engine); ``routes``: the
+    engine captures routed experts, so the request asks for them (vLLM's server-wide switch)."""
     if not body.token_ids:
         raise InvalidRequest("token_ids", "must not be empty")
     p = body.sampling_params
+    if not 0 <= p.routed_experts_prompt_start <= len(body.token_ids):
+        raise InvalidRequest(
+            "sampling_params.routed_experts_prompt_start",
+            f"must be in [0, {len(body.token_ids)}] (the prompt), got {p.routed_experts_prompt_start}",
+        )
     if p.max_tokens is None:
         raise InvalidRequest("sampling_params.max_tokens", "must be given (rlinfer bounds every request)")
     stop = [p.stop] if isinstance(p.stop, str) else list(p.stop or [])
@@ -83,6 +97,7 @@ def generate_requests(body: VllmGenerateBody) -> GenerateRequest:
             repetition_penalty=p.repetition_penalty,
             presence_penalty=p.presence_penalty,
             frequency_penalty=p.frequency_penalty,
+            return_routed_experts=routes,
         )
     except InvalidRequest as exc:
         field = exc.field.removeprefix("sampling.")
@@ -108,6 +123,22 @@ def _logprobs(c: Completion, top: int | None) -> dict[str, Any] | None:
     return {"content": content}
 
 
+def routes_npy_base64(c: Completion, start: int) -> str | None:
+    """vLLM's ``routed_experts``: base64 of the ``.npy`` bytes of the rows ``[start, tokens - 1)``."""
+    if c.routed_experts is None:
+        return None
+    import base64
+    import io
+
+    import numpy as np
+
+    from rlinfer_core.routing import engine_rows
+
+    buffer = io.BytesIO()
+    np.save(buffer, engine_rows(c.routed_experts, start), allow_pickle=False)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
 def generate_answer(
     body: VllmGenerateBody, request: GenerateRequest, completions: Sequence[Completion], model: str
 ) -> dict[str, Any]:
@@ -122,6 +153,7 @@ def generate_answer(
                 "stop_reason": c.stop_reason,
                 "token_ids": list(c.token_ids),
                 "logprobs": _logprobs(c, body.sampling_params.logprobs),
+                "routed_experts": routes_npy_base64(c, body.sampling_params.routed_experts_prompt_start),
                 "weight_versions": version_spans(versions),
             }
         )
