@@ -8,7 +8,7 @@ VENVS := .venvs
 DEMO_BACKEND ?= vllm
 DEMO_OUT ?= out/demo
 
-.PHONY: env-core env-vllm env-sglang envs demo test lint typecheck test-core test-vllm test-sglang test-ray test-ray-sglang test-server test-wheels test-vllm-server test-vllm-server-ci test-sglang-server test-sglang-server-ci test-sglang-tp2 test-vllm-tp2 test-vllm-architectures test-sglang-architectures test-dialects test-dialects-full thorough clean-envs
+.PHONY: env-core env-vllm env-sglang envs demo test lint typecheck test-core test-vllm test-sglang test-ray test-ray-sglang test-server test-wheels test-vllm-server test-vllm-server-ci test-sglang-server test-sglang-server-ci test-sglang-tp2 test-vllm-tp2 test-vllm-architectures test-sglang-architectures test-dialects test-dialects-full test-server-sglang thorough clean-envs
 
 env-core: $(VENVS)/core/.built
 env-vllm: $(VENVS)/vllm/.built
@@ -120,7 +120,7 @@ test-wheels:
 test: lint typecheck test-core test-wheels test-vllm test-vllm-server-ci test-sglang test-sglang-server-ci test-sglang-tp2 test-vllm-tp2 test-ray test-server test-dialects
 
 # slower checks, not in `make test`: the kit in vLLM server mode alone takes ~15-25 min on 2 shared cores
-thorough: test test-vllm-server test-sglang-server test-ray-sglang test-vllm-architectures test-sglang-architectures test-dialects-full
+thorough: test test-vllm-server test-sglang-server test-ray-sglang test-vllm-architectures test-sglang-architectures test-dialects-full test-server-sglang
 
 # the dialect suites (docs/server.md, "Dialects"): each suite against the engine's own server and
 # `rlinfer serve --dialect X` over the other engine's backend, one server at a time (~4 min on 2
@@ -132,6 +132,11 @@ test-dialects: env-vllm env-sglang
 test-dialects-full: env-vllm env-sglang
 	timeout 1200 $(VENVS)/sglang/bin/python -m pytest tests/dialects/test_sglang_dialect.py -q -p no:cacheprovider
 	timeout 1200 $(VENVS)/vllm/bin/python -m pytest tests/dialects/test_vllm_dialect.py -q -p no:cacheprovider
+
+# routing replay over `rlinfer serve --backend sglang` on a tiny Qwen3-MoE: the OpenAI field, SGLang's
+# and vLLM's generate formats, the refusal without capture (three servers, ~3 min on 2 loaded cores)
+test-server-sglang: env-sglang
+	timeout 900 $(VENVS)/sglang/bin/python -m pytest tests/dialects/test_routed_experts.py -q -p no:cacheprovider
 
 clean-envs:
 	rm -rf $(VENVS)
