@@ -230,7 +230,7 @@ def test_every_no_effect_key_is_accepted_with_its_reason(tmp_path: Path) -> None
         ("enable_rollout_routing_replay", True),
         ("scheduling_policy", "priority"),
         ("limit_images", 2),
-        ("mode", "server"),
+        ("mode", "remote"),
         ("mtp", {"enable_rollout": True}),
     ],
 )
@@ -238,6 +238,12 @@ def test_no_effect_keys_refuse_what_rlinfer_cannot_do(tmp_path: Path, key: str, 
     with pytest.raises(InvalidRequest) as info:
         rollout(tmp_path, **{key: value})
     assert info.value.field == key
+
+
+@pytest.mark.parametrize("value", ["server", "inprocess"])
+def test_mode_with_an_rlinfer_value_is_the_former_name_of_serving(tmp_path: Path, value: str) -> None:
+    assert rollout(tmp_path, mode=value).serving == value
+    assert rollout(tmp_path, mode="async").serving == "inprocess"  # verl's mode: no effect
 
 
 def test_unknown_keys_and_sections_stay_errors(tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ def test_config_file_reaches_the_engine_whole(tmp_path: Path) -> None:
     backend, engine, named = bench_config(args, tmp_path)
     assert backend == "vllm" and named
     assert engine.model == str(model)
-    assert engine.mode == "server" and engine.server_mode
+    assert engine.serving == "server" and engine.server_mode
     assert (engine.max_model_len, engine.seed, engine.dtype) == (256, 3, "float32")
     assert engine.engine_kwargs == {"swap_space": 1, "a": 1}
 
@@ -39,7 +39,7 @@ def test_flags_beat_the_file_and_a_tiny_model_is_made_when_none_is_named(tmp_pat
     backend, engine, named = bench_config(_args("--backend", "sglang", "--config", str(config)), tmp_path)
     assert backend == "sglang" and not named
     assert (Path(engine.model) / "config.json").is_file()
-    assert engine.mode == "server" and engine.seed == 0
+    assert engine.serving == "server" and engine.seed == 0
 
 
 def test_bad_values_name_the_field(tmp_path: Path) -> None:

@@ -64,6 +64,9 @@ ALIASES: Mapping[str, str] = verl.ALIASES
 BACKEND_KEY = "name"
 #: EngineConfig fields a file may not set under their own name (``mode`` is verl's key there)
 NOT_IN_FILES = frozenset({"mode"})
+#: a file's ``mode`` with one of these values is rlinfer's former name of ``serving`` (files written
+#: before ``serving``); verl's ``mode`` takes async / sync
+SERVING_VALUES = ("inprocess", "server")
 #: EngineConfig fields that hold SamplingParams (a mapping of its fields in a file)
 SAMPLING_FIELDS = ("default_sampling", "validation_sampling")
 _PLACEHOLDER_MODEL = "<model from the command line>"
@@ -275,7 +278,9 @@ def _translate(
         value = verl.resolve(raw_value, data, section, key)
         if value == verl.MISSING:
             continue
-        if key in verl.NO_EFFECT:
+        if key == "mode" and value in SERVING_VALUES:
+            put("serving", key, value)  # rlinfer's own former name of `serving`
+        elif key in verl.NO_EFFECT:
             verl.check_only_values(key, value)
             if key == "enable_sleep_mode" and value is False:
                 fields["_no_sleep"] = True

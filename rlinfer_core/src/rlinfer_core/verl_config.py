@@ -71,7 +71,7 @@ NO_EFFECT: Mapping[str, str] = {
     "mode": (
         "verl's async/sync rollout: rlinfer's engines are always driven asynchronously (AsyncEngine; "
         "Engine is its blocking wrapper), so both give the same engine; rlinfer's own in-process / "
-        "server choice is `serving`"
+        "server choice is `serving` (a file's `mode: inprocess|server` still sets it)"
     ),
     "calculate_log_probs": "rlinfer always returns the sampled token's logprob (Completion.logprobs)",
     "over_sample_rate": (
