@@ -116,9 +116,9 @@ class EngineWeights(EngineBase):
         else:
             update = as_weight_update(update, version)
             transport = transport_name(update.source)
-        update = attrs.evolve(update, source=self._under_checkpoint_names(update.source))
         async with self._weight_lock:
             try:
+                update = attrs.evolve(update, source=self._under_checkpoint_names(update.source))
                 target = update_target(update, self._version, self.capabilities, self._released)
                 self._check_refill(update.source, base)
                 from rlinfer_core.transfer.validate import validate_source
