@@ -4,32 +4,18 @@ world size, around the TEST-ONLY double backend (recording_double.py)."""
 from __future__ import annotations
 
 import asyncio
-import importlib
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
+from test_engine_facade import double_entry_point
 
 from rlinfer_core import parallel
 from rlinfer_core.engine import AsyncEngine
 from rlinfer_core.errors import InvalidRequest, UnsupportedCapability, WeightsNotLoaded, WeightUpdateError
 from rlinfer_core.types import EngineConfig, GenerateRequest, SamplingParams
 
-
-@pytest.fixture(scope="module", autouse=True)
-def double_entry_point(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    site = tmp_path_factory.mktemp("double_site")
-    info = site / "rlinfer_double_backend-0.0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: rlinfer-double-backend\nVersion: 0.0.1\n")
-    (info / "entry_points.txt").write_text("[rlinfer.backends]\ndouble = recording_double:DOUBLE_INFO\n")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(site))
-        mp.delenv("RLINFER_BACKENDS", raising=False)
-        mp.delenv("RLINFER_PLUGINS", raising=False)
-        importlib.invalidate_caches()
-        yield
+__all__ = ["double_entry_point"]  # the module-scoped autouse fixture that installs the double
 
 
 def opened(**fields: Any) -> AsyncEngine:
