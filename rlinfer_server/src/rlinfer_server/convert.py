@@ -92,17 +92,28 @@ def _routed_experts(body: SamplingFields) -> bool:
     return body.return_routed_experts
 
 
+def token_bias(bias: dict[str, float] | None, field: str) -> list[tuple[int, float]]:
+    """A JSON ``logit_bias`` (token ids as string keys) as (token id, bias) pairs."""
+    pairs: list[tuple[int, float]] = []
+    for key, value in (bias or {}).items():
+        try:
+            pairs.append((int(key), value))
+        except ValueError:
+            raise InvalidRequest(field, f"keys must be token ids, got {key!r}") from None
+    return pairs
+
+
+def stop_strings(stop: str | Sequence[str] | None) -> list[str]:
+    """A ``stop`` field (one string, a list, or none) as a list."""
+    return [stop] if isinstance(stop, str) else list(stop or [])
+
+
 def _sampling(
     body: SamplingFields, max_tokens: int, logprobs: int, structured: StructuredOutput | None = None
 ) -> SamplingParams:
     refuse_unsupported(body)
-    bias: list[tuple[int, float]] = []
-    for key, value in (body.logit_bias or {}).items():
-        try:
-            bias.append((int(key), value))
-        except ValueError:
-            raise InvalidRequest("logit_bias", f"keys must be token ids, got {key!r}") from None
-    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    bias = token_bias(body.logit_bias, "logit_bias")
+    stop = stop_strings(body.stop)
     return SamplingParams(
         temperature=body.temperature,
         top_p=body.top_p,

@@ -19,7 +19,7 @@ import attrs
 
 from rlinfer_core.errors import InvalidRequest
 from rlinfer_core.types import Completion, FinishReason, GenerateRequest, SamplingParams
-from rlinfer_server.convert import Tokens
+from rlinfer_server.convert import Tokens, stop_strings, token_bias
 from rlinfer_server.sglang_schemas import SglGenerateBody, SglSamplingParams
 
 T = TypeVar("T")
@@ -95,15 +95,10 @@ def sampling_of(params: SglSamplingParams, logprobs: int, prompt_logprobs: bool)
         structured = StructuredOutput.regex(params.regex)
     elif params.choice is not None:
         structured = StructuredOutput.choices(params.choice)
-    bias: list[tuple[int, float]] = []
-    for key, value in (params.logit_bias or {}).items():
-        try:
-            bias.append((int(key), value))
-        except ValueError:
-            raise InvalidRequest("sampling_params.logit_bias", f"keys must be token ids, got {key!r}") from None
+    bias = token_bias(params.logit_bias, "sampling_params.logit_bias")
     if params.max_new_tokens is None:
         raise InvalidRequest("sampling_params.max_new_tokens", "must be given (rlinfer bounds every request)")
-    stop = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
+    stop = stop_strings(params.stop)
     try:
         return SamplingParams(
             temperature=params.temperature,

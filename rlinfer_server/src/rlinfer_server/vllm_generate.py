@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from rlinfer_core.errors import InvalidRequest
 from rlinfer_core.types import Completion, GenerateRequest, SamplingParams
+from rlinfer_server.convert import stop_strings
 from rlinfer_server.schemas import Body
 from rlinfer_server.sglang_generate import version_spans
 
@@ -79,7 +80,7 @@ def generate_requests(body: VllmGenerateBody, routes: bool = False) -> GenerateR
         )
     if p.max_tokens is None:
         raise InvalidRequest("sampling_params.max_tokens", "must be given (rlinfer bounds every request)")
-    stop = [p.stop] if isinstance(p.stop, str) else list(p.stop or [])
+    stop = stop_strings(p.stop)
     try:
         sampling = SamplingParams(
             n=p.n,
