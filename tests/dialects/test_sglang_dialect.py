@@ -13,7 +13,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -299,30 +298,6 @@ def test_control_routes_need_the_key(server: DialectServer) -> None:
 LONG = {"max_new_tokens": 500, "temperature": 0.0, "ignore_eos": True}
 
 
-def _stream_in_background(server: DialectServer, body: dict[str, Any]) -> concurrent.futures.Future[Any]:
-    """Stream ``body`` on a thread; returns once the first chunk arrived (the request is
-    decoding); the future gives the last chunk."""
-    import json
-
-    first = threading.Event()
-    pool = concurrent.futures.ThreadPoolExecutor(1)
-
-    def call() -> Any:
-        last: Any = None
-        with server.client(timeout=300) as c, c.stream("POST", "/generate", json={**body, "stream": True}) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    last = json.loads(line.removeprefix("data: "))
-                    first.set()
-        first.set()
-        return last
-
-    future = pool.submit(call)
-    pool.shutdown(wait=False)
-    assert first.wait(timeout=120)
-    return future
-
-
 #: tries of an interruption test whose long request may finish before the interruption lands
 #: (a tiny model decodes 500 tokens in about a second on a loaded machine); the last try asserts
 INTERRUPTION_TRIES = 3
@@ -336,18 +311,27 @@ def _interrupted(
 ) -> dict[str, Any]:
     """The answer of a long streamed request that ``interrupt`` ended while it was decoding (then
     ``after`` runs); tries again while the request finished on its own first, and fails after the
-    last try."""
+    last try. The interruption is sent from the reading loop as soon as the first chunk arrives,
+    on a client opened beforehand (opening one took ~0.5 s on a loaded machine, longer than the
+    whole decode)."""
+    import json
+
     answer: dict[str, Any] = {}
     for _ in range(INTERRUPTION_TRIES):
-        # the client first: making one takes ~0.5 s on a loaded machine, longer than the decode
-        with server.client() as c:
-            future = _stream_in_background(server, body)
+        with server.client() as control, server.client(timeout=300) as c:
+            sent = False
             try:
-                interrupt(c)
-                answer = future.result(timeout=120)
+                with c.stream("POST", "/generate", json={**body, "stream": True}) as r:
+                    for line in r.iter_lines():
+                        if line.startswith("data: {"):
+                            answer = json.loads(line.removeprefix("data: "))
+                            if not sent:
+                                interrupt(control)
+                                sent = True
             finally:
                 if after is not None:
-                    after(c)
+                    after(control)
+        assert sent, "the stream sent no chunk"
         if answer["meta_info"]["finish_reason"]["type"] == "abort":
             break
     assert answer["meta_info"]["finish_reason"]["type"] == "abort", f"never interrupted in {INTERRUPTION_TRIES} tries"
