@@ -24,6 +24,7 @@ silently equal).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -99,23 +100,33 @@ def _pack(tensor: torch.Tensor, isa: str) -> torch.Tensor:
     return packed
 
 
-def _unpack(packed: torch.Tensor, isa: str) -> torch.Tensor | None:
-    """The tensor that packs to ``packed`` (see the module docstring), or None."""
+@functools.cache
+def _packing_sources(shape: tuple[int, ...], dtype: torch.dtype, isa: str) -> torch.Tensor | None:
+    """Where each element of one packed expert ``shape`` comes from (flat indices), or None when
+    the packing is not a permutation; found once per shape, dtype and instruction set."""
     import torch
 
-    one = (1, *packed.shape[1:])
-    count = int(torch.Size(one[1:]).numel())
-    base = _exact_base(packed.dtype)
+    one = (1, *shape)
+    count = int(torch.Size(shape).numel())
+    base = _exact_base(dtype)
     index = torch.arange(count, dtype=torch.int64)
     source = torch.zeros(count, dtype=torch.int64)
     scale = 1
     while scale < count:
-        digit = ((index // scale) % base).to(packed.dtype).reshape(one)
+        digit = ((index // scale) % base).to(dtype).reshape(one)
         source += _pack(digit, isa).reshape(-1).to(torch.int64) * scale
         scale *= base
-    if not torch.equal(torch.sort(source).values, index):
-        return None  # not a permutation
-    flat = packed.reshape(packed.shape[0], count)
+    return source if torch.equal(torch.sort(source).values, index) else None
+
+
+def _unpack(packed: torch.Tensor, isa: str) -> torch.Tensor | None:
+    """The tensor that packs to ``packed`` (see the module docstring), or None."""
+    import torch
+
+    source = _packing_sources(tuple(packed.shape[1:]), packed.dtype, isa)
+    if source is None:
+        return None
+    flat = packed.reshape(packed.shape[0], source.numel())
     out = torch.empty_like(flat)
     out[:, source] = flat
     unpacked = out.reshape(packed.shape)
