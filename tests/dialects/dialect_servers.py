@@ -27,8 +27,9 @@ ROOT = Path(__file__).resolve().parents[2]
 VENVS = ROOT / ".venvs"
 API_KEY = "dialect-suite-control-key-0123456789"
 START_TIMEOUT_S = 600.0
-#: the same engine settings on every server (rlinfer's kit sizes)
-MAX_MODEL_LEN = 512
+#: the same engine settings on every server: the tiny model's whole context (room for the long
+#: requests the interruption tests end while they decode), the kit's cache and batch sizes
+MAX_MODEL_LEN = 1024
 KV_CACHE_BYTES = 64 << 20
 MAX_SEQS = 16
 #: every server kind of the suites (each suite runs the ones of its dialect)

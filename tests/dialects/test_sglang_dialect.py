@@ -20,7 +20,17 @@ from typing import Any
 
 import httpx
 import pytest
-from dialect_servers import PROMPT, VENVS, DialectServer, Oracle, free_port, rlinfer_serve_command, selected, started
+from dialect_servers import (
+    MAX_MODEL_LEN,
+    PROMPT,
+    VENVS,
+    DialectServer,
+    Oracle,
+    free_port,
+    rlinfer_serve_command,
+    selected,
+    started,
+)
 
 SERVERS = selected(("sglang-reference", "rlinfer-vllm", "rlinfer-sglang"))
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0}
@@ -46,7 +56,7 @@ def _reference_command(model: Path, port: int) -> list[str]:
         "--dtype",
         "float32",
         "--context-length",
-        "600",
+        str(MAX_MODEL_LEN),
         "--max-total-tokens",
         "4096",
         "--max-running-requests",
@@ -295,12 +305,13 @@ def test_control_routes_need_the_key(server: DialectServer) -> None:
 # ---------------------------------------------------------------- pause, abort
 
 
-LONG = {"max_new_tokens": 500, "temperature": 0.0, "ignore_eos": True}
+LONG = {"max_new_tokens": 1000, "temperature": 0.0, "ignore_eos": True}
 
 
 #: tries of an interruption test whose long request may finish before the interruption lands
-#: (a tiny model decodes 500 tokens in about a second on a loaded machine); the last try asserts
-INTERRUPTION_TRIES = 3
+#: (vLLM's engine core decodes 500 tiny-model tokens in 0.5 s, in a process of its own that runs
+#: ahead of a starved API server; clean-clone CI lost 3 tries in a row at 500); the last try asserts
+INTERRUPTION_TRIES = 5
 
 
 def _interrupted(

@@ -18,7 +18,17 @@ from typing import Any
 
 import httpx
 import pytest
-from dialect_servers import PROMPT, VENVS, DialectServer, Oracle, free_port, rlinfer_serve_command, selected, started
+from dialect_servers import (
+    MAX_MODEL_LEN,
+    PROMPT,
+    VENVS,
+    DialectServer,
+    Oracle,
+    free_port,
+    rlinfer_serve_command,
+    selected,
+    started,
+)
 
 SERVERS = selected(("vllm-reference", "rlinfer-sglang", "rlinfer-vllm"))
 GREEDY = {"max_tokens": 8, "temperature": 0.0}
@@ -34,7 +44,7 @@ def _reference_command(model: Path, port: int) -> list[str]:
         "--dtype",
         "float32",
         "--max-model-len",
-        "512",
+        str(MAX_MODEL_LEN),
         "--kv-cache-memory-bytes",
         str(64 << 20),
         "--max-num-seqs",
