@@ -1,6 +1,7 @@
 """The vLLM dialect suite: the same tests against vLLM's own server (``vllm serve`` with
 ``VLLM_SERVER_DEV_MODE=1`` and ``--enable-scale-out``, CPU) and ``rlinfer serve --dialect vllm``
-over the SGLang and the vLLM backend, with httpx as TRL's and SkyRL's clients use it.
+over the SGLang and the vLLM backend, with httpx as TRL's and SkyRL's clients use it, and with
+TRL's own ``VLLMClient`` (TRL is installed in ``.venvs/vllm``).
 
 Run from ``.venvs/vllm``; the rlinfer server over SGLang runs from ``.venvs/sglang``. vLLM's own
 weight transfer does not run on CPU (``/init_weight_transfer_engine`` answers 500 "Cannot access
@@ -175,6 +176,65 @@ def test_control_routes_need_the_key(server: DialectServer) -> None:
         pytest.skip("vLLM's dev mode opens its RL routes without a key")
     for path in ("/pause", "/resume", "/reset_prefix_cache", "/start_weight_update"):
         assert httpx.post(server.url + path, timeout=30).status_code == 401
+
+
+# ---------------------------------------------------------------- TRL's own client
+
+
+@pytest.fixture
+def trl_client(server: DialectServer) -> Any:
+    """TRL's ``VLLMClient`` on the server; it sends no key, so the session carries the control key
+    (vLLM's dev mode ignores it; ``rlinfer serve --open-control`` would need none)."""
+    from trl.generation.vllm_client import VLLMClient
+
+    client = VLLMClient(base_url=server.url)
+    client.session.headers.update(server.headers)
+    return client
+
+
+def test_trl_generate_matches_the_oracle(trl_client: Any, oracle: Oracle, tiny_models: Any) -> None:
+    """``VLLMClient.generate`` as GRPOTrainer calls it (token-id prompts, ``logprobs=0``, TRL's
+    ``top_k=0``): greedy tokens and their logprobs are the oracle's."""
+    tokens, logprobs = oracle.greedy(tiny_models[0], PROMPT, 8)
+    out = trl_client.generate([PROMPT, PROMPT], temperature=0.0, max_tokens=8, logprobs=0)
+    assert out["prompt_ids"] == [PROMPT, PROMPT]
+    assert out["completion_ids"] == [tokens, tokens]
+    for per_token, ids in zip(out["logprobs"], out["logprob_token_ids"], strict=True):
+        assert [ids_at[0] for ids_at in ids] == tokens
+        assert [lp[0] for lp in per_token] == pytest.approx(logprobs, abs=2e-3)
+
+
+def test_trl_generate_text_prompts_n_and_top_logprobs(trl_client: Any) -> None:
+    out = trl_client.generate(["hello world", "Question:"], n=2, temperature=1.0, max_tokens=5, logprobs=2)
+    assert len(out["prompt_ids"]) == 2 and out["prompt_ids"][0] != out["prompt_ids"][1]
+    assert len(out["completion_ids"]) == 4 and all(len(ids) == 5 for ids in out["completion_ids"])
+    for ids, per_token, alternatives in zip(
+        out["completion_ids"], out["logprobs"], out["logprob_token_ids"], strict=True
+    ):
+        for token, lps, alts in zip(ids, per_token, alternatives, strict=True):
+            assert token in alts and 2 <= len(alts) <= 3  # the sampled token and the top 2
+            assert lps == sorted(lps, reverse=True)
+
+
+def test_trl_chat_continues_the_rendered_prompt(trl_client: Any) -> None:
+    """``VLLMClient.chat``: the prompt ids are the chat template's rendering, and greedy decoding
+    from them through ``generate`` gives the same completion."""
+    chat = trl_client.chat([[{"role": "user", "content": "hi there"}]], temperature=0.0, max_tokens=6)
+    (prompt,) = chat["prompt_ids"]
+    assert len(prompt) > 2
+    again = trl_client.generate([prompt], temperature=0.0, max_tokens=6)
+    assert chat["completion_ids"] == again["completion_ids"]
+
+
+def test_trl_control_calls(trl_client: Any) -> None:
+    """The control calls TRL's trainers make: world size, prefix-cache reset, and the server info
+    fields they read (``model_config.logprobs_mode``, ``weight_transfer_config``)."""
+    assert trl_client.get_world_size() == 1
+    trl_client.reset_prefix_cache()
+    info = trl_client.get_server_info()
+    assert info["model_config"]["logprobs_mode"] in {"raw_logprobs", "processed_logprobs"}
+    assert info["model_config"]["max_model_len"] == MAX_MODEL_LEN
+    assert "weight_transfer_config" in info
 
 
 def _tensors(model_dir: Path) -> list[tuple[str, Any]]:

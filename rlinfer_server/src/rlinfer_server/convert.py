@@ -103,6 +103,11 @@ def token_bias(bias: dict[str, float] | None, field: str) -> list[tuple[int, flo
     return pairs
 
 
+def top_k_off_as_minus_one(top_k: int) -> int:
+    """vLLM's ``top_k`` as rlinfer's: vLLM's server takes 0 or -1 for "off" (TRL sends 0), rlinfer -1."""
+    return -1 if top_k == 0 else top_k
+
+
 def stop_strings(stop: str | Sequence[str] | None) -> list[str]:
     """A ``stop`` field (one string, a list, or none) as a list."""
     return [stop] if isinstance(stop, str) else list(stop or [])
@@ -117,7 +122,7 @@ def _sampling(
     return SamplingParams(
         temperature=body.temperature,
         top_p=body.top_p,
-        top_k=body.top_k,
+        top_k=top_k_off_as_minus_one(body.top_k),
         max_tokens=max_tokens,
         min_tokens=body.min_tokens,
         n=body.n,
@@ -225,8 +230,10 @@ def _completion_logprobs(
         at += len(p)
     names = [token_name(tokens, t, as_ids) for t in c.token_ids] if as_ids else pieces
     out: dict[str, Any] = {"tokens": names, "token_logprobs": list(c.logprobs), "text_offset": offsets}
-    out["top_logprobs"] = [{token_name(tokens, t, as_ids): lp for t, lp in alt.items()} for alt in top] if top else None
-    out["top_logprobs_ids"] = [{str(t): lp for t, lp in alt.items()} for alt in top] if top else None
+    # as vLLM: each position's sampled token first, then its top alternatives (logprobs=0: the sampled one)
+    steps = [{t: lp, **alt} for t, lp, alt in zip(c.token_ids, c.logprobs, top or [{}] * len(c.token_ids), strict=True)]
+    out["top_logprobs"] = [{token_name(tokens, t, as_ids): lp for t, lp in step.items()} for step in steps]
+    out["top_logprobs_ids"] = [{str(t): lp for t, lp in step.items()} for step in steps]
     return out
 
 

@@ -105,6 +105,7 @@ class SamplingFields(VllmCompatFields):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # rlinfer / vLLM extensions
+    #: -1 or 0 (vLLM's two spellings): no top-k cut
     top_k: int = -1
     min_p: float = 0.0
     repetition_penalty: float = 1.0

@@ -24,9 +24,9 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Body, Query, Request
 from fastapi.responses import JSONResponse, Response
 
-from rlinfer_core.capability import Capability
+from rlinfer_core.capability import Capabilities, Capability
 from rlinfer_core.errors import RLInferError
-from rlinfer_core.types import PauseMode
+from rlinfer_core.types import EngineConfig, PauseMode
 from rlinfer_server.dialect_common import VersionConflict, error_status, parse_version, state_of
 from rlinfer_server.dialects import Dialect
 from rlinfer_server.vllm_generate import VllmGenerateBody, generate_answer, generate_requests
@@ -106,25 +106,60 @@ async def get_world_size(request: Request, include_dp: Annotated[bool, Query()] 
 
 @router.get("/server_info")
 async def server_info(request: Request) -> dict[str, Any]:
-    """The engine config under vLLM's ``vllm_config`` key, and rlinfer's own facts; no
-    ``weight_transfer_config`` (vLLM's NCCL transfer engine is not spoken, see the module doc)."""
-    import attrs
-
+    """vLLM's ``/server_info?config_format=json`` shape: the engine config under ``vllm_config``
+    in vLLM's sections (TRL reads ``model_config.logprobs_mode`` and ``weight_transfer_config``),
+    and rlinfer's own facts. ``weight_transfer_config`` is null: vLLM's packed NCCL transfer engine
+    is not spoken (see the module doc), so TRL's ``init_communicator`` says so up front."""
     import rlinfer_core
 
     state = state_of(request)
     engine = state.engine
-    config = engine.config
-    plain = {f.name: getattr(config, f.name) for f in attrs.fields(type(config))}
-    plain = {k: v for k, v in plain.items() if isinstance(v, str | int | float | bool) or v is None}
     return {
-        "vllm_config": {**plain, "served_model_name": state.settings.served_model_name},
+        "vllm_config": vllm_config_sections(engine.config, engine.capabilities, state.settings.served_model_name),
         "rlinfer": {
             "version": rlinfer_core.__version__,
             "capabilities": engine.capabilities.to_dict(),
             "weight_version": engine.weight_version,
             "weight_transfer": "torch.distributed broadcast (SGLang's group layout), one rank per server",
         },
+    }
+
+
+def vllm_config_sections(config: EngineConfig, capabilities: Capabilities, served_name: str) -> dict[str, Any]:
+    """An engine config as vLLM's ``VllmConfig`` JSON sections (the fields rlinfer has)."""
+    lora = capabilities.supports(Capability.LORA)
+    return {
+        "model_config": {
+            "model": config.model,
+            "tokenizer": config.tokenizer or config.model,
+            "served_model_name": served_name,
+            "dtype": config.dtype,
+            "seed": config.seed,
+            "max_model_len": config.max_model_len,
+            # the default; a request may ask for raw logprobs (``logprobs_mode``)
+            "logprobs_mode": "processed_logprobs",
+            "enable_return_routed_experts": config.enable_routed_experts,
+        },
+        "cache_config": {
+            "enable_prefix_caching": config.enable_prefix_caching,
+            "gpu_memory_utilization": config.gpu_memory_utilization,
+            "kv_cache_memory_bytes": config.kv_cache_memory_bytes,
+        },
+        "parallel_config": {
+            "tensor_parallel_size": config.tensor_parallel_size,
+            "pipeline_parallel_size": config.pipeline_parallel_size,
+            "data_parallel_size": config.data_parallel_size,
+            "enable_expert_parallel": config.expert_parallel_size > 1,
+        },
+        "scheduler_config": {
+            "max_num_seqs": config.max_num_seqs,
+            "max_num_batched_tokens": config.max_num_batched_tokens,
+            "enable_chunked_prefill": config.enable_chunked_prefill,
+        },
+        "load_config": {"load_format": config.load_format},
+        "device_config": {"device": config.device},
+        "lora_config": {"max_lora_rank": config.engine_kwargs.get("max_lora_rank")} if lora else None,
+        "weight_transfer_config": None,
     }
 
 

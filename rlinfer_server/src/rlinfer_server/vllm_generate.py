@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from rlinfer_core.errors import InvalidRequest
 from rlinfer_core.types import Completion, GenerateRequest, SamplingParams
-from rlinfer_server.convert import stop_strings
+from rlinfer_server.convert import stop_strings, top_k_off_as_minus_one
 from rlinfer_server.schemas import Body
 from rlinfer_server.sglang_generate import version_spans
 
@@ -86,7 +86,7 @@ def generate_requests(body: VllmGenerateBody, routes: bool = False) -> GenerateR
             n=p.n,
             temperature=p.temperature,
             top_p=p.top_p,
-            top_k=-1 if p.top_k == 0 else p.top_k,  # vLLM's 0 is "off"
+            top_k=top_k_off_as_minus_one(p.top_k),
             min_p=p.min_p,
             max_tokens=p.max_tokens,
             min_tokens=p.min_tokens,
