@@ -28,13 +28,14 @@ Rules (see docs/agents.md):
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import AsyncIterator, Coroutine, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import attrs
 
 from rlinfer_core.chat_template import ChatTemplate, Delta, TemplateContinuityError, load_tokenizer
 from rlinfer_core.errors import InvalidRequest
+from rlinfer_core.sync_twin import Delegated, SyncTwin, blocking, converted, delegated, delegated_property
 from rlinfer_core.tools import ToolCalls, ToolSpec, check_parser, to_tools
 from rlinfer_core.types import Capability, Completion, FinishReason, GenerateRequest, SamplingParams
 
@@ -42,6 +43,8 @@ if TYPE_CHECKING:
     from rlinfer_core.engine import AsyncEngine
     from rlinfer_core.sync_engine import Engine
 
+T = TypeVar("T")
+Y = TypeVar("Y")
 TurnKind = Literal["model", "environment", "template"]
 #: token_versions of tokens the model did not produce
 NO_VERSION = -1
@@ -177,7 +180,7 @@ class AsyncSession:
 
     # --- environment turns -----------------------------------------------------------------
 
-    def add_message(self, role: str, content: str, **fields: Any) -> Turn:
+    def add_message(self, /, role: str, content: str, **fields: Any) -> Turn:
         """Append a chat message from the environment (``user``, ``tool``, ``system``), rendered
         by the chat template; extra ``fields`` (e.g. ``name``, ``tool_call_id``) go to the
         template. Model turns come from :meth:`generate`, not from here."""
@@ -319,57 +322,46 @@ class AsyncSession:
         return turn
 
 
-class Session:
-    """The synchronous twin of :class:`AsyncSession` (from ``Engine.session``)."""
+def _twin_on_same_engine(session: Session, inner: AsyncSession) -> Session:
+    return Session(session.engine, inner)
+
+
+class Session(SyncTwin):
+    """The synchronous twin of :class:`AsyncSession` (from ``Engine.session``), derived from it
+    member by member (see :mod:`rlinfer_core.sync_twin`)."""
 
     def __init__(self, engine: Engine, inner: AsyncSession) -> None:
         self._engine = engine
         self.inner = inner
 
     @property
-    def token_ids(self) -> tuple[int, ...]:
-        """See :attr:`AsyncSession.token_ids`."""
-        return self.inner.token_ids
+    def engine(self) -> Engine:
+        """The synchronous engine the session runs on (``inner.engine`` is its async engine)."""
+        return self._engine
 
-    @property
-    def turns(self) -> list[Turn]:
-        """See :attr:`AsyncSession.turns`."""
-        return self.inner.turns
+    def _target(self) -> AsyncSession:
+        return self.inner
 
-    @property
-    def messages(self) -> list[dict[str, Any]]:
-        """See :attr:`AsyncSession.messages`."""
-        return self.inner.messages
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self._engine._run(coro)
 
-    @property
-    def exact(self) -> bool:
-        """See :attr:`AsyncSession.exact`."""
-        return self.inner.exact
+    def _iterate(self, iterator: AsyncIterator[Y]) -> Iterator[Y]:
+        return self._engine._iterate(iterator)
 
-    def add_message(self, role: str, content: str, **fields: Any) -> Turn:
-        """See :meth:`AsyncSession.add_message`."""
-        return self.inner.add_message(role, content, **fields)
-
-    def add_tool_result(self, content: str, *, name: str | None = None, tool_call_id: str | None = None) -> Turn:
-        """See :meth:`AsyncSession.add_tool_result`."""
-        return self.inner.add_tool_result(content, name=name, tool_call_id=tool_call_id)
-
-    def add_tokens(self, token_ids: Sequence[int], text: str | None = None) -> Turn:
-        """See :meth:`AsyncSession.add_tokens`."""
-        return self.inner.add_tokens(token_ids, text)
-
-    def add_text(self, text: str) -> Turn:
-        """See :meth:`AsyncSession.add_text`."""
-        return self.inner.add_text(text)
-
-    def generate(self, sampling: SamplingParams | None = None, *, request_id: str | None = None) -> Turn:
-        """See :meth:`AsyncSession.generate`."""
-        return self._engine._run(self.inner.generate(sampling, request_id=request_id))
-
-    def fork(self) -> Session:
-        """See :meth:`AsyncSession.fork`."""
-        return Session(self._engine, self.inner.fork())
-
-    def result(self) -> SessionResult:
-        """See :meth:`AsyncSession.result`."""
-        return self.inner.result()
+    tools = Delegated[tuple[ToolSpec, ...] | None]()
+    tool_parser = Delegated[str | None]()
+    sampling = Delegated[SamplingParams]()
+    strict = Delegated[bool]()
+    lora = Delegated[str | None]()
+    template = Delegated[ChatTemplate | None]()
+    messages = Delegated[list[dict[str, Any]]]()
+    turns = Delegated[list[Turn]]()
+    token_ids = delegated_property(AsyncSession.token_ids)
+    exact = delegated_property(AsyncSession.exact)
+    result = delegated(AsyncSession.result)
+    add_message = delegated(AsyncSession.add_message)
+    add_tool_result = delegated(AsyncSession.add_tool_result)
+    add_tokens = delegated(AsyncSession.add_tokens)
+    add_text = delegated(AsyncSession.add_text)
+    generate = blocking(AsyncSession.generate)
+    fork = converted(AsyncSession.fork, _twin_on_same_engine)

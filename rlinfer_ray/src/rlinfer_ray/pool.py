@@ -169,6 +169,18 @@ class EnginePool(PoolAgent, DataPlane):
         """Request ids handed to generate/stream that have not returned yet."""
         return self._admission.in_flight
 
+    @property
+    def weights_discarded(self) -> bool:
+        """Always False: the pool refuses ``release_memory(discard_weights=True)`` (see
+        :data:`POOL_UNSUPPORTED`)."""
+        return False
+
+    @property
+    def verifies_updates(self) -> bool:
+        """Whether every replica reads each update back and compares it (``EngineConfig.verify_updates``
+        on engines with ``weights.checksum``)."""
+        return self.config.verify_updates and self._caps().supports(Capability.WEIGHTS_CHECKSUM)
+
     def _ensure_open(self) -> None:
         if self._closed:
             raise EngineDead(f"engine pool of {self.backend_name!r} was shut down; open a new one")
