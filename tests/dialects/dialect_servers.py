@@ -172,15 +172,28 @@ class Oracle:
         self._models: dict[Path, Any] = {}
         self._lock = threading.Lock()
 
-    def greedy(self, model_dir: Path, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
-        """``steps`` greedy tokens after ``prompt`` and each one's logprob."""
+    def _model(self, model_dir: Path) -> Any:
         import torch
         from transformers import AutoModelForCausalLM
 
         with self._lock:
             if model_dir not in self._models:
                 self._models[model_dir] = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
-            model = self._models[model_dir]
+            return self._models[model_dir]
+
+    def log_softmax(self, model_dir: Path, ids: list[int]) -> Any:
+        """``[len(ids), vocab]`` float64 log-probabilities of the next token after each prefix."""
+        import torch
+
+        with torch.no_grad():
+            logits = self._model(model_dir)(torch.tensor([ids])).logits[0].double()
+        return torch.log_softmax(logits, dim=-1)
+
+    def greedy(self, model_dir: Path, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
+        """``steps`` greedy tokens after ``prompt`` and each one's logprob."""
+        import torch
+
+        model = self._model(model_dir)
         ids = list(prompt)
         out: list[int] = []
         logprobs: list[float] = []

@@ -193,6 +193,33 @@ def test_top_logprobs_lead_with_the_greedy_token(server: DialectServer, oracle: 
         assert [e[0] for e in top] == sorted((e[0] for e in top), reverse=True)
 
 
+def test_prompt_logprobs_with_top_alternatives(server: DialectServer, oracle: Oracle, tiny_models: Any) -> None:
+    """``logprob_start_len`` with ``top_logprobs_num`` (slime's and AReaL's teacher scoring): each
+    prompt position from the start on has its own logprob and its top alternatives, the oracle's;
+    position 0 has none."""
+    k, start = 3, 0
+    rows = oracle.log_softmax(tiny_models[0], PROMPT)
+    with server.client() as c:
+        answer = generate(
+            c,
+            input_ids=PROMPT,
+            sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+            return_logprob=True,
+            logprob_start_len=start,
+            top_logprobs_num=k,
+        )
+    meta = answer["meta_info"]
+    own, tops = meta["input_token_logprobs"], meta["input_top_logprobs"]
+    assert [e[1] for e in own] == PROMPT[start:] and len(tops) == len(PROMPT) - start
+    assert own[0][0] is None and not tops[0]
+    for position in range(1, len(PROMPT)):
+        want = rows[position - 1]
+        values, ids = want.topk(k)
+        assert own[position][0] == pytest.approx(float(want[PROMPT[position]]), abs=LOGPROB_TOL)
+        assert [e[1] for e in tops[position]] == ids.tolist()
+        assert [e[0] for e in tops[position]] == pytest.approx(values.tolist(), abs=LOGPROB_TOL)
+
+
 def test_stream_sends_cumulative_chunks_then_done(server: DialectServer, oracle: Oracle, tiny_models: Any) -> None:
     import json
 

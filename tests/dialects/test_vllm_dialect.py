@@ -226,6 +226,23 @@ def test_trl_chat_continues_the_rendered_prompt(trl_client: Any) -> None:
     assert chat["completion_ids"] == again["completion_ids"]
 
 
+def test_trl_sequence_logprobs_match_the_oracle(trl_client: Any, oracle: Oracle, tiny_models: Any) -> None:
+    """``VLLMClient.get_sequence_logprobs`` (teacher scoring for distillation, from the prompt
+    logprobs with their top alternatives): every completion position's top k and the actual
+    token's logprob are the oracle's."""
+    tokens = oracle.greedy(tiny_models[0], PROMPT, 4)[0]
+    sequence, k = PROMPT + [(t + 7) % 64 for t in tokens], 3  # a completion the model would not pick
+    out = trl_client.get_sequence_logprobs([sequence], [len(PROMPT)], top_logprobs=k)
+    rows = oracle.log_softmax(tiny_models[0], sequence)
+    for i, position in enumerate(range(len(PROMPT), len(sequence))):
+        want = rows[position - 1]
+        values, ids = want.topk(k)
+        assert out["logprobs"][0][i] == pytest.approx(values.tolist(), abs=2e-3)
+        assert out["logprob_token_ids"][0][i] == ids.tolist()
+        assert out["actual_token_ids"][0][i] == [sequence[position]]
+        assert out["actual_logprobs"][0][i] == pytest.approx([float(want[sequence[position]])], abs=2e-3)
+
+
 def test_trl_control_calls(trl_client: Any) -> None:
     """The control calls TRL's trainers make: world size, prefix-cache reset, and the server info
     fields they read (``model_config.logprobs_mode``, ``weight_transfer_config``)."""

@@ -326,7 +326,7 @@ def test_tokenize_detokenize_and_render(client, server: Served) -> None:
         ),
         ("/v1/chat/completions", {"messages": USER, "chat_template": "{{ raise_exception('no') }}"}, "chat_template"),
         ("/v1/chat/completions", {"messages": USER, "use_beam_search": True}, "use_beam_search"),
-        ("/v1/chat/completions", {"messages": USER, "prompt_logprobs": 3}, "prompt_logprobs"),
+        ("/v1/chat/completions", {"messages": USER, "prompt_logprobs": 21}, "prompt_logprobs"),
         ("/v1/chat/completions", {"messages": USER, "~tools": []}, "~tools"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "~x": 1}]}, "messages.0.~x"),
         ("/v1/completions", {"prompt": [5], "truncate_prompt_tokens": 3}, "truncate_prompt_tokens"),

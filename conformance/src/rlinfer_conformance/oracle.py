@@ -215,6 +215,16 @@ class Oracle:
         lp = torch.log_softmax(logits.double(), dim=-1)
         return [float(lp[i - 1, prompt[i]]) for i in range(1, len(prompt))]
 
+    def prompt_top_logprobs(self, key: str, prompt: Sequence[int], k: int) -> list[dict[int, float]]:
+        """The ``k`` most likely tokens and their logprobs at prompt positions 1.. (plain log_softmax)."""
+        import torch
+
+        lp = torch.log_softmax(self.logits(key, prompt)[: len(prompt) - 1].double(), dim=-1)
+        values, ids = lp.topk(k, dim=-1)
+        return [
+            {int(i): float(v) for i, v in zip(ids[row], values[row], strict=True)} for row in range(len(prompt) - 1)
+        ]
+
     def top_logprobs(self, key: str, prompt: Sequence[int], tokens: Sequence[int], k: int) -> list[dict[int, float]]:
         """The ``k`` most likely tokens and their logprobs at each generated position (greedy)."""
         import torch

@@ -66,7 +66,7 @@ def request_capabilities(request: GenerateRequest) -> list[Capability]:
         needed.append(Capability.CHAT)
     if s.prompt_logprobs:
         needed.append(Capability.PROMPT_LOGPROBS)
-    if s.logprobs:
+    if s.logprobs or s.prompt_top_logprobs:
         needed.append(Capability.TOP_LOGPROBS)
     if s.n > 1:
         needed.append(Capability.MULTI_SAMPLE)

@@ -141,6 +141,8 @@ class SamplingParams:
     ignore_eos: bool = attrs.field(default=False, validator=v.instance_of(bool, "a bool (True or False)"))
     logprobs: int = attrs.field(default=0, validator=v.in_range(0, MAX_TOP_LOGPROBS, integer=True))
     prompt_logprobs: bool = attrs.field(default=False, validator=v.instance_of(bool, "a bool (True or False)"))
+    #: top alternatives per prompt position (with prompt_logprobs), for teacher scoring
+    prompt_top_logprobs: int = attrs.field(default=0, validator=v.in_range(0, MAX_TOP_LOGPROBS, integer=True))
     #: drop tokens whose probability is below min_p times the most likely one's (0: off)
     min_p: float = attrs.field(default=0.0, validator=v.in_range(0.0, 1.0))
     #: divides positive logits (multiplies negative ones) of tokens seen in prompt or output (1: off)
@@ -167,6 +169,8 @@ class SamplingParams:
     def __attrs_post_init__(self) -> None:
         if self.top_k == 0:
             raise InvalidRequest("top_k", "must be -1 (disabled) or >= 1, got 0")
+        if self.prompt_top_logprobs and not self.prompt_logprobs:
+            raise InvalidRequest("prompt_top_logprobs", "needs prompt_logprobs=True")
         if self.min_tokens > self.max_tokens:
             raise InvalidRequest("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
@@ -287,6 +291,8 @@ class Completion:
     top_logprobs: tuple[Mapping[int, float], ...] | None = None
     #: logprob of each prompt token given the ones before it; the first is None
     prompt_logprobs: tuple[float | None, ...] | None = None
+    #: the ``prompt_top_logprobs`` most likely tokens at each prompt position; the first is None
+    prompt_top_logprobs: tuple[Mapping[int, float] | None, ...] | None = None
     weight_version: int = 0
     text: str | None = None  #: detokenized output when the engine has a tokenizer
     latency_s: float | None = None

@@ -20,7 +20,7 @@ from typing import Any
 
 from rlinfer_core.errors import InvalidRequest
 from rlinfer_core.structured import StructuredOutput
-from rlinfer_core.types import Completion, CompletionDelta, GenerateRequest, SamplingParams
+from rlinfer_core.types import MAX_TOP_LOGPROBS, Completion, CompletionDelta, GenerateRequest, SamplingParams
 from rlinfer_server.chat_render import RenderedChat
 from rlinfer_server.compat import refuse_unsupported
 from rlinfer_server.constraints import structured_constraint
@@ -72,18 +72,16 @@ def token_name(tokens: Tokens, token_id: int, as_id: bool) -> str:
     return f"token_id:{token_id}" if as_id else tokens.piece(token_id)
 
 
-def _prompt_logprobs(body: SamplingFields) -> bool:
+def _prompt_logprobs(body: SamplingFields) -> dict[str, Any]:
+    """SamplingParams fields of vLLM's ``prompt_logprobs`` (k: each prompt token's own logprob and
+    its top k alternatives)."""
     if body.prompt_logprobs is None:
-        return False
-    if body.prompt_logprobs != 0:
-        raise InvalidRequest(
-            "prompt_logprobs",
-            f"only 0 is supported (each prompt token's own logprob; the engines' contract returns no top "
-            f"alternatives for prompt tokens), got {body.prompt_logprobs}",
-        )
+        return {}
     if body.stream:
         raise InvalidRequest("prompt_logprobs", "not available when streaming")
-    return True
+    if not 0 <= body.prompt_logprobs <= MAX_TOP_LOGPROBS:  # vLLM's -1 (the whole vocabulary) is not served
+        raise InvalidRequest("prompt_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {body.prompt_logprobs}")
+    return {"prompt_logprobs": True, "prompt_top_logprobs": body.prompt_logprobs}
 
 
 def _routed_experts(body: SamplingFields) -> bool:
@@ -138,7 +136,7 @@ def _sampling(
         logit_bias=tuple(bias),
         allowed_token_ids=None if body.allowed_token_ids is None else tuple(body.allowed_token_ids),
         logprobs_mode=body.logprobs_mode,
-        prompt_logprobs=_prompt_logprobs(body),
+        **_prompt_logprobs(body),
         structured=structured,
         return_routed_experts=_routed_experts(body),
     )
@@ -254,16 +252,24 @@ def _chat_logprobs(c: Completion | CompletionDelta, top: Any, tokens: Tokens, as
 
 def prompt_logprobs(c: Completion, tokens: Tokens, as_ids: bool) -> list[dict[str, Any] | None] | None:
     """vLLM's ``prompt_logprobs``: per prompt token, None for the first, else
-    ``{token_id: {"logprob", "rank", "decoded_token"}}`` of the token itself (rank unknown: null)."""
+    ``{token_id: {"logprob", "rank", "decoded_token"}}`` of the token itself and of its top k
+    alternatives (rank 1..k). Ranks past the alternatives are not computed by the engines: a token
+    outside them gets k + 1, a lower bound (with no alternatives asked for: null)."""
     if c.prompt_logprobs is None:
         return None
+    tops = c.prompt_top_logprobs or (None,) * len(c.prompt_token_ids)
     out: list[dict[str, Any] | None] = []
-    for token, lp in zip(c.prompt_token_ids, c.prompt_logprobs, strict=False):
-        out.append(
-            None
-            if lp is None
-            else {str(token): {"logprob": lp, "rank": None, "decoded_token": token_name(tokens, token, as_ids)}}
-        )
+    for token, lp, top in zip(c.prompt_token_ids, c.prompt_logprobs, tops, strict=False):
+        if lp is None:
+            out.append(None)
+            continue
+        ranked = sorted((top or {}).items(), key=lambda kv: -kv[1])
+        rank_of = {t: i + 1 for i, (t, _) in enumerate(ranked)}
+        own_rank = rank_of.get(token, len(ranked) + 1) if top is not None else None
+        row = {str(token): {"logprob": lp, "rank": own_rank, "decoded_token": token_name(tokens, token, as_ids)}}
+        for t, alt in ranked:
+            row.setdefault(str(t), {"logprob": alt, "rank": rank_of[t], "decoded_token": token_name(tokens, t, as_ids)})
+        out.append(row)
     return out
 
 

@@ -12,7 +12,7 @@ Batches behave as SGLang's: a list of prompts (or ``n`` > 1) answers a list, pro
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 import attrs
@@ -82,7 +82,9 @@ def _prompts(body: SglGenerateBody, tokens: Tokens) -> tuple[list[list[int]], bo
 
 
 def sampling_of(params: SglSamplingParams, logprobs: int, prompt_logprobs: bool) -> SamplingParams:
-    """rlinfer SamplingParams of SGLang ``sampling_params`` (errors name SGLang's fields)."""
+    """rlinfer SamplingParams of SGLang ``sampling_params`` (errors name SGLang's fields);
+    ``logprobs`` alternatives per position, for the prompt's positions too when ``prompt_logprobs``
+    (SGLang's one ``top_logprobs_num``)."""
     from rlinfer_core.structured import StructuredOutput
 
     constraints = [c for c in (params.json_schema, params.regex, params.choice) if c is not None]
@@ -113,6 +115,7 @@ def sampling_of(params: SglSamplingParams, logprobs: int, prompt_logprobs: bool)
             ignore_eos=params.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            prompt_top_logprobs=logprobs if prompt_logprobs else 0,
             min_p=params.min_p,
             repetition_penalty=params.repetition_penalty,
             presence_penalty=params.presence_penalty,
@@ -143,10 +146,6 @@ def generate_plan(body: SglGenerateBody, tokens: Tokens) -> GeneratePlan:
         if start >= len(prompt):
             raise InvalidRequest("logprob_start_len", f"must be < the prompt's {len(prompt)} tokens, got {start}")
         prompt_logprobs = return_logprob and start >= 0
-        if prompt_logprobs and top > 0:
-            raise InvalidRequest(
-                "top_logprobs_num", "top alternatives of prompt tokens are not served: use logprob_start_len -1"
-            )
         if prompt_logprobs and body.stream:
             raise InvalidRequest("logprob_start_len", "prompt logprobs are not available when streaming")
         sampling = sampling_of(params, top if return_logprob else 0, prompt_logprobs)
@@ -228,6 +227,11 @@ def _entry(tokens: Tokens, logprob: float | None, token_id: int, with_text: bool
     return [logprob, token_id, tokens.piece(token_id) if with_text else None]
 
 
+def _ranked(tokens: Tokens, top: Mapping[int, float], with_text: bool) -> list[list[Any]]:
+    """One position's alternatives as SGLang's triples, most likely first."""
+    return [_entry(tokens, lp, t, with_text) for t, lp in sorted(top.items(), key=lambda kv: -kv[1])]
+
+
 def _text(c: Completion, plan: PromptPlan, tokens: Tokens) -> str:
     text = tokens.decode(c.token_ids, plan.skip_special_tokens)
     if not plan.no_stop_trim and isinstance(c.stop_reason, str) and text.endswith(c.stop_reason):
@@ -258,11 +262,13 @@ def answer_of(c: Completion, plan: PromptPlan, tokens: Tokens, sample_id: str) -
             pairs = list(zip(c.prompt_logprobs, c.prompt_token_ids, strict=True))[plan.logprob_start_len :]
             prompt = [_entry(tokens, lp, t, with_text) for lp, t in pairs]
         meta["input_token_logprobs"] = prompt
-        if plan.top_logprobs_num > 0 and c.top_logprobs is not None:
-            meta["output_top_logprobs"] = [
-                [_entry(tokens, lp, t, with_text) for t, lp in sorted(top.items(), key=lambda kv: -kv[1])]
-                for top in c.top_logprobs
+        if plan.top_logprobs_num > 0 and plan.logprob_start_len >= 0 and c.prompt_top_logprobs is not None:
+            meta["input_top_logprobs"] = [
+                None if top is None else _ranked(tokens, top, with_text)
+                for top in c.prompt_top_logprobs[plan.logprob_start_len :]
             ]
+        if plan.top_logprobs_num > 0 and c.top_logprobs is not None:
+            meta["output_top_logprobs"] = [_ranked(tokens, top, with_text) for top in c.top_logprobs]
     routes = None if plan.routes_from is None else routes_base64(c, plan.routes_from)
     if routes is not None:  # SGLang leaves the key out of an answer without routes
         meta["routed_experts"] = routes

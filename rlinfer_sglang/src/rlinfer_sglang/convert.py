@@ -107,7 +107,8 @@ def logprob_args(request: GenerateRequest, processor: str | None = None) -> dict
     args: dict[str, Any] = {
         "return_logprob": True,
         "logprob_start_len": 0 if s.prompt_logprobs else -1,
-        "top_logprobs_num": s.logprobs,
+        # one count for output and prompt positions: the larger, each cut to its own on return
+        "top_logprobs_num": max(s.logprobs, s.prompt_top_logprobs),
         "custom_logit_processor": processor if custom_params(request) else None,
         "return_sampling_mask": renormalises(request),
     }
@@ -155,10 +156,22 @@ def token_logprobs(meta: Mapping[str, Any]) -> list[float]:
     return [float(entry[0]) for entry in meta.get("output_token_logprobs") or ()]
 
 
-def _top(rows: Sequence[Any] | None) -> tuple[Mapping[int, float], ...] | None:
+def _top(rows: Sequence[Any] | None, k: int) -> tuple[Mapping[int, float], ...] | None:
+    """The ``k`` most likely entries of each position's (logprob, token id, text) triples."""
     if rows is None:
         return None
-    return tuple({int(e[1]): float(e[0]) for e in row or ()} for row in rows)
+    return tuple(_best(row, k) for row in rows)
+
+
+def _best(row: Sequence[Any] | None, k: int) -> dict[int, float]:
+    ranked = sorted(((float(e[0]), int(e[1])) for e in row or () if e[0] is not None), reverse=True)
+    return {token: lp for lp, token in ranked[:k]}
+
+
+def _prompt_top(meta: Mapping[str, Any], k: int) -> tuple[Mapping[int, float] | None, ...]:
+    """Each prompt position's ``k`` most likely tokens; the first position has none."""
+    rows = list(meta.get("input_top_logprobs") or ())
+    return tuple(None if i == 0 else _best(row, k) for i, row in enumerate(rows))
 
 
 def completion(
@@ -176,7 +189,8 @@ def completion(
         prompt_lps = tuple(None if e[0] is None else float(e[0]) for e in entries)
         if prompt_lps:
             prompt_lps = (None, *prompt_lps[1:])
-    top = _top(meta.get("output_top_logprobs"))[: len(tokens)] if s.logprobs else None  # type: ignore[index]
+    top = _top(meta.get("output_top_logprobs"), s.logprobs)[: len(tokens)] if s.logprobs else None  # type: ignore[index]
+    prompt_top = _prompt_top(meta, s.prompt_top_logprobs) if s.prompt_top_logprobs else None
     if renormalises(request):
         lps, tops = list(logprobs), None if top is None else [dict(t) for t in top]
         renormalise(meta, lps, tops)
@@ -198,6 +212,7 @@ def completion(
         stop_reason=stop_reason,
         top_logprobs=top,
         prompt_logprobs=prompt_lps,
+        prompt_top_logprobs=prompt_top,
         text=out.get("text"),
         latency_s=latency,
     )

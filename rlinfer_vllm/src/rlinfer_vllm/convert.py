@@ -59,7 +59,7 @@ def sampling_params(
         stop_token_ids=list(s.stop_token_ids) or None,
         ignore_eos=s.ignore_eos,
         logprobs=s.logprobs,
-        prompt_logprobs=0 if s.prompt_logprobs else None,
+        prompt_logprobs=s.prompt_top_logprobs if s.prompt_logprobs else None,
         flat_logprobs=True,
         output_kind=kind,
         min_p=s.min_p,
@@ -131,11 +131,21 @@ def _prompt(flat: Any) -> tuple[float | None, ...] | None:
     return tuple(values[a] if b > a else None for a, b in zip(flat.start_indices, flat.end_indices, strict=True))
 
 
+def _prompt_top(flat: Any) -> tuple[Mapping[int, float] | None, ...]:
+    """Each prompt position's top alternatives (the entries after the token's own; first: None)."""
+    ids, values = flat.token_ids, flat.logprobs
+    return tuple(
+        dict(zip(ids[a + 1 : b], values[a + 1 : b], strict=True)) if b > a else None
+        for a, b in zip(flat.start_indices, flat.end_indices, strict=True)
+    )
+
+
 def completions(request: GenerateRequest, out: RequestOutput, latency_s: float) -> list[Completion]:
     """The ``n`` completions of a finished (or aborted) request, by sample index."""
     s = request.sampling
     prompt_ids = tuple(out.prompt_token_ids or ())
     prompt_lps = _prompt(out.prompt_logprobs) if s.prompt_logprobs else None
+    prompt_top = _prompt_top(out.prompt_logprobs) if s.prompt_top_logprobs and out.prompt_logprobs else None
     result = []
     for o in sorted(out.outputs, key=lambda o: o.index):
         result.append(
@@ -149,6 +159,7 @@ def completions(request: GenerateRequest, out: RequestOutput, latency_s: float) 
                 stop_reason=o.stop_reason,
                 top_logprobs=_top(o.logprobs) if s.logprobs else None,
                 prompt_logprobs=prompt_lps,
+                prompt_top_logprobs=prompt_top,
                 text=o.text,
                 latency_s=latency_s,
                 routed_experts=_routes(request, o, len(prompt_ids)),

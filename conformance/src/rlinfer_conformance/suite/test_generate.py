@@ -26,6 +26,7 @@ __all__ = [
     "test_stream_concatenates_to_batch",
     "test_chat_applies_template",
     "test_prompt_logprobs_match_oracle",
+    "test_prompt_top_logprobs_match_oracle",
     "test_top_logprobs_match_oracle",
     "test_stop_strings_are_honoured",
     "test_bench_raw_generate_counts_tokens",
@@ -220,6 +221,27 @@ def test_top_logprobs_match_oracle(rlinfer_world: KitWorld) -> None:
                     assert value <= floor + rlinfer_world.oracle.tie_tolerance, (token, got_row, want_row)
 
 
+@pytest.mark.requires(Capability.PROMPT_LOGPROBS, Capability.TOP_LOGPROBS)
+def test_prompt_top_logprobs_match_oracle(rlinfer_world: KitWorld) -> None:
+    """Teacher scoring (TRL's ``get_sequence_logprobs``): each prompt position's k most likely
+    tokens with their logprobs, beside the prompt token's own; the first position has none."""
+    k = 4
+    requests = rlinfer_world.greedy_requests(max_tokens=1, prompt_logprobs=True, prompt_top_logprobs=k)
+    for c in rlinfer_world.generate(requests):
+        prompt = list(c.prompt_token_ids)
+        assert c.prompt_top_logprobs is not None and len(c.prompt_top_logprobs) == len(prompt)
+        assert c.prompt_top_logprobs[0] is None
+        want = rlinfer_world.oracle.prompt_top_logprobs(rlinfer_world.current, prompt, k)
+        for got_row, want_row in zip(c.prompt_top_logprobs[1:], want, strict=True):
+            assert got_row is not None and len(got_row) == k, got_row
+            floor = min(got_row.values())
+            for token, value in want_row.items():
+                if token in got_row:
+                    assert abs(got_row[token] - value) <= LOGPROB_TOLERANCE, (token, got_row, want_row)
+                else:  # only a near-tie at the k-th place may change which token makes the cut
+                    assert value <= floor + rlinfer_world.oracle.tie_tolerance, (token, got_row, want_row)
+
+
 @pytest.mark.requires(Capability.STOP_STRINGS)
 def test_stop_strings_are_honoured(rlinfer_world: KitWorld) -> None:
     tok = rlinfer_world.oracle.tokenizer
@@ -250,5 +272,5 @@ def test_stop_strings_are_honoured(rlinfer_world: KitWorld) -> None:
 @pytest.mark.hooks("rlinfer_bench_raw_generate")
 def test_bench_raw_generate_counts_tokens(rlinfer_world: KitWorld) -> None:
     requests = rlinfer_world.greedy_requests(max_tokens=8, ignore_eos=True)
-    produced = rlinfer_world.run_async(rlinfer_world.engine.async_engine.bench_raw_generate(requests))
+    produced = rlinfer_world.engine.bench_raw_generate(requests)
     assert produced == 8 * len(requests)

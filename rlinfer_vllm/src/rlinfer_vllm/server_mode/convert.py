@@ -73,7 +73,7 @@ def sampling(request: GenerateRequest, prompt_len: int, max_model_len: int) -> d
     if s.stop_token_ids:
         params["stop_token_ids"] = list(s.stop_token_ids)
     if s.prompt_logprobs:
-        params["prompt_logprobs"] = 0
+        params["prompt_logprobs"] = s.prompt_top_logprobs
     if s.logit_bias:
         params["logit_bias"] = {str(token): float(bias) for token, bias in s.logit_bias}
     if s.allowed_token_ids is not None:
@@ -139,6 +139,17 @@ def prompt_logprobs(answer: Mapping[str, Any], prompt_ids: Sequence[int]) -> tup
     return tuple(out)
 
 
+def prompt_top_logprobs(answer: Mapping[str, Any], k: int) -> tuple[Mapping[int, float] | None, ...] | None:
+    """Each prompt position's ``k`` most likely tokens (rank <= k; the first position: None)."""
+    rows = answer.get("prompt_logprobs")
+    if rows is None:
+        return None
+    return tuple(
+        None if row is None else {int(t): _lp(e["logprob"]) for t, e in row.items() if (e.get("rank") or math.inf) <= k}
+        for row in rows
+    )
+
+
 def expand_versions(spans: Sequence[Mapping[str, Any]] | None, count: int, fallback: int) -> tuple[int, ...]:
     """Per-token versions from vLLM's ``weight_versions`` spans; ``fallback`` where none is known."""
     out = [fallback] * count
@@ -163,6 +174,7 @@ def completions(
     s = request.sampling
     prompt = tuple(prompt_ids)
     prompt_lps = prompt_logprobs(answer, prompt) if s.prompt_logprobs else None
+    prompt_top = prompt_top_logprobs(answer, s.prompt_top_logprobs) if s.prompt_top_logprobs else None
     result = []
     for choice in sorted(answer.get("choices") or (), key=lambda c: c["index"]):
         tokens = tuple(choice.get("token_ids") or ())
@@ -178,6 +190,7 @@ def completions(
                 stop_reason=choice.get("stop_reason"),
                 top_logprobs=top,
                 prompt_logprobs=prompt_lps,
+                prompt_top_logprobs=prompt_top,
                 latency_s=latency_s,
                 token_versions=expand_versions(choice.get("weight_versions"), len(tokens), live_version),
             )
