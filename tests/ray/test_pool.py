@@ -66,7 +66,7 @@ def _outputs_per_replica(pool: Any) -> list[list[tuple[int, ...]]]:
 
 
 def test_pool_reports_the_backend(pool: Any) -> None:
-    assert pool.async_engine.backend_name == pool.capabilities.backend
+    assert pool.backend_name == pool.capabilities.backend
     assert pool.replica_states() == ["serving", "serving"]
     procs = pool.engine_processes()
     assert {"replica0.actor", "replica1.actor"} <= set(procs)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import time
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -160,7 +160,7 @@ class KitWorld:
     @property
     def backend(self) -> str:
         """Backend name."""
-        return self.engine.async_engine.backend_name
+        return self.engine.backend_name
 
     def supports(self, capability: Capability) -> bool:
         """True when the engine claims ``capability``."""
@@ -222,14 +222,6 @@ class KitWorld:
     def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> concurrent.futures.Future[T]:
         """Run ``fn`` in a helper thread (e.g. a generate that another call will abort)."""
         return self.pool.submit(fn, *args, **kwargs)
-
-    def run_async(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run a coroutine of the AsyncEngine on the sync Engine's loop (for hooks that the sync
-        wrapper does not expose, e.g. the bench ones)."""
-        import asyncio
-
-        loop = self.engine._loop  # the sync wrapper's event loop thread
-        return asyncio.run_coroutine_threadsafe(coro, loop).result(timeout=OP_TIMEOUT_S)
 
     def check_parity(
         self, checkpoint: str | None, requests: Sequence[GenerateRequest], completions: Sequence[Completion]

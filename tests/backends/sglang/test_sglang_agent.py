@@ -114,6 +114,6 @@ def test_structured_stream_holds(engine: Engine) -> None:
     request = GenerateRequest(prompt_token_ids=[1, 20, 30, 40], sampling=s)
     eos = set(engine.model_info.eos_token_ids) if engine.model_info else set()
     ids = [t for d in engine.stream(request) for t in d.token_ids if t not in eos]
-    tok = AutoTokenizer.from_pretrained(engine.async_engine.config.model)
+    tok = AutoTokenizer.from_pretrained(engine.config.model)
     text = tok.decode(ids, skip_special_tokens=True)
     assert request.sampling.structured is not None and request.sampling.structured.accepts(text), text

@@ -210,8 +210,8 @@ def test_abort_a_request_held_by_pause_wait(engine: Engine) -> None:
 
 def test_bench_hooks(engine: Engine, models: tuple[Path, Path]) -> None:
     requests = [_greedy([1, 40 + i], 8, ignore_eos=True) for i in range(4)]
-    assert engine._run(engine.async_engine.bench_raw_generate(requests)) == 32
-    engine._run(engine.async_engine.bench_raw_weight_update(str(models[0])))
+    assert engine.bench_raw_generate(requests) == 32
+    engine.bench_raw_weight_update(str(models[0]))
     prompt = [1, 5, 6, 7]
     (c,) = engine.generate(_greedy(prompt, 8, ignore_eos=True))
     assert list(c.token_ids) == _hf_greedy(models[0], prompt, 8)

@@ -72,7 +72,7 @@ def test_memory_release_is_refused_on_cpu(engine: Engine) -> None:
         engine._run(backend_of(engine).rlinfer_release_memory(tags=frozenset({MemoryTag.KV_CACHE})))
     with pytest.raises(UnsupportedCapability):
         engine._run(backend_of(engine).rlinfer_resume_memory(tags=frozenset({MemoryTag.KV_CACHE})))
-    assert engine.async_engine.released == frozenset()
+    assert engine.released == frozenset()
     assert len(greedy(engine)) == len(PROMPTS)
 
 
@@ -108,10 +108,10 @@ def test_bench_hooks(engine: Engine, models: tuple[Path, Path]) -> None:
     base, other = state_dict(models[0]), state_dict(models[1])
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, n=2)
     batch = [GenerateRequest(prompt_token_ids=p, sampling=params) for p in PROMPTS]
-    assert engine._run(engine.async_engine.bench_raw_generate(batch)) == len(PROMPTS) * 2 * MAX_TOKENS
+    assert engine.bench_raw_generate(batch) == len(PROMPTS) * 2 * MAX_TOKENS
 
     started = time.perf_counter()
-    engine._run(engine.async_engine.bench_raw_weight_update(str(models[1])))
+    engine.bench_raw_weight_update(str(models[1]))
     assert time.perf_counter() - started < 30
     assert greedy(engine) == hf_greedy(models[1], other, PROMPTS, MAX_TOKENS)
     # a partial update after vLLM's own reload merges into the weights now served (seed 1)

@@ -254,7 +254,7 @@ def test_reset_prefix_cache(rlinfer_base_weights: KitWorld) -> None:
     (the engine's own reload), so outputs are stale until reset_prefix_cache() drops the KV."""
     world = rlinfer_base_weights
     world.check_parity(None, *_run(world, _long_prompt_requests(world)))  # base KV is now cached
-    world.run_async(world.engine.async_engine.bench_raw_weight_update(str(world.oracle.model_dir(OTHER))))
+    world.engine.bench_raw_weight_update(str(world.oracle.model_dir(OTHER)))
     world.current = OTHER
     requests, completions = _run(world, _long_prompt_requests(world))
     stale = world.oracle.check_all(OTHER, requests, completions)

@@ -24,7 +24,7 @@ def test_deterministic_across_runs_and_batch_compositions(rlinfer_base_weights: 
     from rlinfer_core.engine import open_engine
 
     world = rlinfer_base_weights
-    config = attrs.evolve(world.engine.async_engine.config, deterministic=True)
+    config = attrs.evolve(world.engine.config, deterministic=True)
     engine = open_engine(world.backend, config)
     try:
         prompts = world.prompts()

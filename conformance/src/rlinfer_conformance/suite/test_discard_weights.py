@@ -28,7 +28,7 @@ def test_discarded_weights_refuse_generation_until_a_full_update(rlinfer_base_we
     version = engine.weight_version
     engine.release_memory(discard_weights=True)
     try:
-        assert engine.async_engine.released == frozenset(MemoryTag) and engine.async_engine.weights_discarded
+        assert engine.released == frozenset(MemoryTag) and engine.weights_discarded
         engine.resume_memory()
         request = GenerateRequest(prompt_token_ids=[1, 2])
         with pytest.raises(WeightsNotLoaded):
@@ -44,14 +44,14 @@ def test_discarded_weights_refuse_generation_until_a_full_update(rlinfer_base_we
         if world.supports(Capability.WEIGHTS_DELTA):
             with pytest.raises(WeightUpdateError, match="delta cannot be applied"):
                 engine.update_weights(WeightDelta(version, partial))
-        assert engine.weight_version == version and engine.async_engine.weights_discarded
+        assert engine.weight_version == version and engine.weights_discarded
         engine.update_weights(world.source(world.local_transports()[0], OTHER))
         world.current = OTHER
-        assert engine.weight_version == version + 1 and not engine.async_engine.weights_discarded
+        assert engine.weight_version == version + 1 and not engine.weights_discarded
         world.verify_served(OTHER, "after refilling discarded weights")
         world.generate_and_check("after_discard_refill")
     finally:
-        if engine.async_engine.weights_discarded or engine.async_engine.released:
+        if engine.weights_discarded or engine.released:
             _refill(world, BASE)
 
 
@@ -66,8 +66,8 @@ def test_phase_switch_with_discarded_weights(rlinfer_base_weights: KitWorld) -> 
         engine.update_weights(world.source(world.local_transports()[0], OTHER))
         world.current = OTHER
         engine.resume_memory([MemoryTag.KV_CACHE])
-        assert not engine.async_engine.released and not engine.async_engine.weights_discarded
+        assert not engine.released and not engine.weights_discarded
         world.generate_and_check("after_discard_phase_switch")
     finally:
-        if engine.async_engine.weights_discarded or engine.async_engine.released:
+        if engine.weights_discarded or engine.released:
             _refill(world, BASE)

@@ -52,7 +52,7 @@ def test_model_info_matches_checkpoint(rlinfer_world: KitWorld) -> None:
     tok = rlinfer_world.oracle.tokenizer
     assert info.vocab_size == 384
     assert tok.eos_token_id in info.eos_token_ids
-    assert info.max_model_len == rlinfer_world.engine.async_engine.config.max_model_len
+    assert info.max_model_len == rlinfer_world.engine.config.max_model_len
 
 
 @pytest.mark.hooks("rlinfer_weight_specs")
@@ -63,7 +63,7 @@ def test_weight_specs_match_hf_checkpoint(rlinfer_world: KitWorld) -> None:
     for name, spec in specs.items():
         assert spec.name == name
         assert tuple(spec.shape) == tuple(hf[name].shape), name
-        served = rlinfer_world.engine.async_engine.config.dtype
+        served = rlinfer_world.engine.config.dtype
         assert spec.dtype == served, f"{name}: {spec.dtype} (the kit runs the engine in {served})"
 
 
@@ -95,13 +95,12 @@ def test_start_event_fired(rlinfer_world: KitWorld) -> None:
 @pytest.mark.hooks("rlinfer_shutdown", "rlinfer_on_engine_shutdown")
 def test_shutdown_is_final_and_idempotent(rlinfer_world: KitWorld) -> None:
     engine = rlinfer_world.engine
-    async_engine = engine.async_engine
     engine.shutdown()
     assert rlinfer_world.events.names().count("rlinfer_on_engine_shutdown") == 1
     engine.shutdown()  # safe twice
     with pytest.raises(EngineDead):
         engine.check_health()
-    import asyncio
-
     with pytest.raises(EngineDead):
-        asyncio.run(async_engine.generate([GenerateRequest(prompt_token_ids=[1])]))
+        engine.generate([GenerateRequest(prompt_token_ids=[1])])
+    with pytest.raises(EngineDead):  # a plain call reaches the engine itself: it is shut down too
+        engine.session()

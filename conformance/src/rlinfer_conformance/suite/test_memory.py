@@ -32,7 +32,7 @@ def _engine_bytes(world: KitWorld, free: int, total: int) -> int:
     memory in use, which also counts CUDA contexts and is the stricter bound."""
     from rlinfer_core.transfer.buckets import to_dtype
 
-    kv = world.engine.async_engine.config.kv_cache_memory_bytes
+    kv = world.engine.config.kv_cache_memory_bytes
     if kv is None:
         return total - free
     weights = sum(s.numel * to_dtype(s.dtype).itemsize for s in world.engine.weight_specs.values())
@@ -58,7 +58,7 @@ def test_release_resume_keeps_outputs(rlinfer_world: KitWorld) -> None:
                 f"release_memory freed {freed / 2**20:.1f} MiB of the {held / 2**20:.1f} MiB the engine holds "
                 f"for weights and KV cache ({freed / held:.0%} < {MIN_FREED_SHARE:.0%})"
             )
-        assert rlinfer_world.engine.async_engine.released == frozenset(MemoryTag)
+        assert rlinfer_world.engine.released == frozenset(MemoryTag)
         with pytest.raises(InvalidRequest):
             rlinfer_world.engine.generate([GenerateRequest(prompt_token_ids=[1, 2])])
     finally:

@@ -39,8 +39,8 @@ def _broadcast(w: KitWorld) -> Any:
 
 def _bench(w: KitWorld) -> Any:
     with pytest.raises(UnsupportedCapability):
-        w.run_async(w.engine.async_engine.bench_raw_weight_update(str(w.oracle.model_dir(BASE))))
-    return w.run_async(w.engine.async_engine.bench_raw_generate([GenerateRequest(prompt_token_ids=[1, 2])]))
+        w.engine.bench_raw_weight_update(str(w.oracle.model_dir(BASE)))
+    return w.engine.bench_raw_generate([GenerateRequest(prompt_token_ids=[1, 2])])
 
 
 def _deterministic(w: KitWorld) -> Any:
@@ -49,7 +49,7 @@ def _deterministic(w: KitWorld) -> Any:
 
     from rlinfer_core.engine import open_engine
 
-    return open_engine(w.backend, attrs.evolve(w.engine.async_engine.config, deterministic=True))
+    return open_engine(w.backend, attrs.evolve(w.engine.config, deterministic=True))
 
 
 PROBES: dict[Capability, Callable[[KitWorld], Any]] = {

@@ -233,7 +233,7 @@ def test_bad_weight_update_keeps_old_weights(rlinfer_base_weights: KitWorld, cas
 def test_bench_raw_weight_update(rlinfer_base_weights: KitWorld) -> None:
     world = rlinfer_base_weights
     version = world.engine.weight_version
-    world.run_async(world.engine.async_engine.bench_raw_weight_update(str(world.oracle.model_dir(OTHER))))
+    world.engine.bench_raw_weight_update(str(world.oracle.model_dir(OTHER)))
     world.current = OTHER
     assert world.engine.weight_version == version, "the raw (bench) path does not version weights"
     if world.supports(Capability.PREFIX_CACHE_RESET):
