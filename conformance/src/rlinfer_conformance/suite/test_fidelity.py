@@ -4,6 +4,7 @@ processors, logprob modes and per-token weight versions."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -33,6 +34,12 @@ __all__ = [
 ]
 
 SEED = 1234
+#: tries to reach the token-version tests' premise (an update lands while the engine computes a
+#: long request; a loaded machine may finish it first), as test_control's INTERRUPT_TRIES
+VERSION_SWITCH_TRIES = 5
+
+#: a request, its completion across an update, and the versions before and after it
+_Switch = tuple[GenerateRequest, Completion, int, int]
 
 
 def _sampled(world: KitWorld, n_prompts: int = 3, **sampling: Any) -> tuple[list[GenerateRequest], list[Completion]]:
@@ -215,17 +222,33 @@ def _joined(request: GenerateRequest, deltas: list[CompletionDelta]) -> Completi
     )
 
 
-def _skip_if_computed_before(world: KitWorld, request: GenerateRequest, completion: Completion, old: int) -> None:
-    """Skip when every token carries the old version and matches the old weights: the engine
+def _computed_before(world: KitWorld, request: GenerateRequest, completion: Completion, old: int) -> bool:
+    """True when every token carries the old version and matches the old weights: the engine
     computed the whole request before the update, though the consumer may still have read it (a
     consumer that lags the engine, e.g. over HTTP on loaded cores): the premise as the engine saw
     it, where ``in_flight`` is the caller's view."""
     if set(completion.token_versions or ()) != {old}:
-        return
+        return False
     parity = world.oracle.check_versions({old: BASE}, request, completion)
     assert not parity.argmax_mismatches, ("tokens stamped old but not computed by the old weights", parity)
     assert parity.max_abs_logprob_delta <= LOGPROB_TOLERANCE, parity
-    pytest.skip("premise failed: the engine computed every token before the update was loaded")
+    return True
+
+
+def _across_update(world: KitWorld, attempt: Callable[[], _Switch | None]) -> _Switch:
+    """Run ``attempt`` (a long request with an update to OTHER while it streams) until the
+    engine computes the request partly before and partly after the update; tried again (base
+    weights served again first) while it computed every token before the update landed (a
+    loaded machine), up to VERSION_SWITCH_TRIES times; then the test fails: never a skip."""
+    for _ in range(VERSION_SWITCH_TRIES):
+        world.restore()
+        switch = attempt()
+        if switch is not None:
+            return switch
+    pytest.fail(
+        f"premise not reached in {VERSION_SWITCH_TRIES} tries: the engine computed every token of the "
+        f"long request before the weight update was loaded, so no request spanned two weight versions"
+    )
 
 
 def _check_switch(world: KitWorld, request: GenerateRequest, completion: Completion, old: int, new: int) -> None:
@@ -250,37 +273,47 @@ def _check_switch(world: KitWorld, request: GenerateRequest, completion: Complet
 def test_token_versions_across_pause_keep_update(rlinfer_base_weights: KitWorld) -> None:
     world = rlinfer_base_weights
     engine = world.engine
-    request, first, future = _stream_long(world, max_tokens=world.max_model_len - 40)
-    assert first.wait(OP_TIMEOUT_S), "the request produced no token"
-    old = engine.weight_version
-    engine.pause(PauseMode.KEEP)
-    try:
-        # the premise "in flight across the update" is the engine's: a request the caller no
-        # longer holds ended before the pause, and then every token is old
-        # (_skip_if_computed_before checks them against the old weights and skips)
-        in_flight = request.request_id in engine.in_flight
-        new = world.update(Capability.WEIGHTS_TENSORS, OTHER)
-    finally:
-        engine.resume()
-    completion = _joined(request, future.result(timeout=OP_TIMEOUT_S))
-    assert completion.finish_reason is FinishReason.LENGTH
-    if not in_flight:
-        assert set(completion.token_versions or ()) == {old}, "a request that ended before the update is all old"
-    _skip_if_computed_before(world, request, completion, old)
-    _check_switch(world, request, completion, old, new)
+
+    def attempt() -> _Switch | None:
+        request, first, future = _stream_long(world, max_tokens=world.max_model_len - 40)
+        assert first.wait(OP_TIMEOUT_S), "the request produced no token"
+        old = engine.weight_version
+        engine.pause(PauseMode.KEEP)
+        try:
+            # the premise "in flight across the update" is the engine's: a request the caller no
+            # longer holds ended before the pause, and then every token is old
+            # (_computed_before checks them against the old weights; the try is run again)
+            in_flight = request.request_id in engine.in_flight
+            new = world.update(Capability.WEIGHTS_TENSORS, OTHER)
+        finally:
+            engine.resume()
+        completion = _joined(request, future.result(timeout=OP_TIMEOUT_S))
+        assert completion.finish_reason is FinishReason.LENGTH
+        if not in_flight:
+            assert set(completion.token_versions or ()) == {old}, "a request that ended before the update is all old"
+        if _computed_before(world, request, completion, old):
+            return None
+        return request, completion, old, new
+
+    _check_switch(world, *_across_update(world, attempt))
 
 
 @pytest.mark.requires(Capability.STREAM, Capability.WEIGHTS_TENSORS)
 def test_token_versions_across_unpaused_update(rlinfer_base_weights: KitWorld) -> None:
     world = rlinfer_base_weights
     engine = world.engine
-    request, first, future = _stream_long(world, max_tokens=world.max_model_len - 40)
-    assert first.wait(OP_TIMEOUT_S), "the request produced no token"
-    old = engine.weight_version
-    new = world.update(Capability.WEIGHTS_TENSORS, OTHER)
-    in_flight = request.request_id in engine.in_flight
-    completion = _joined(request, future.result(timeout=OP_TIMEOUT_S))
-    if not in_flight and set(completion.token_versions or ()) == {old}:
-        pytest.skip("premise failed: the request finished before the update was loaded")
-    _skip_if_computed_before(world, request, completion, old)
-    _check_switch(world, request, completion, old, new)
+
+    def attempt() -> _Switch | None:
+        request, first, future = _stream_long(world, max_tokens=world.max_model_len - 40)
+        assert first.wait(OP_TIMEOUT_S), "the request produced no token"
+        old = engine.weight_version
+        new = world.update(Capability.WEIGHTS_TENSORS, OTHER)
+        in_flight = request.request_id in engine.in_flight
+        completion = _joined(request, future.result(timeout=OP_TIMEOUT_S))
+        if not in_flight and set(completion.token_versions or ()) == {old}:
+            return None  # the request finished before the update was loaded
+        if _computed_before(world, request, completion, old):
+            return None
+        return request, completion, old, new
+
+    _check_switch(world, *_across_update(world, attempt))
