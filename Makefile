@@ -8,7 +8,7 @@ VENVS := .venvs
 DEMO_BACKEND ?= vllm
 DEMO_OUT ?= out/demo
 
-.PHONY: env-core env-vllm env-sglang envs demo test lint typecheck test-core test-vllm test-sglang test-ray test-ray-sglang test-server test-wheels test-vllm-server test-vllm-server-ci test-sglang-server test-sglang-server-ci test-sglang-tp2 test-vllm-tp2 test-vllm-architectures test-sglang-architectures test-dialects test-dialects-full test-server-sglang thorough clean-envs
+.PHONY: env-core env-vllm env-sglang envs demo test lint typecheck test-core test-vllm test-sglang test-ray test-ray-sglang test-server test-wheels test-vllm-server test-vllm-server-ci test-sglang-server test-sglang-server-ci test-sglang-tp2 test-vllm-tp2 test-vllm-architectures test-sglang-architectures test-dialects test-dialects-full test-dialects-pool test-server-sglang thorough clean-envs
 
 env-core: $(VENVS)/core/.built
 env-vllm: $(VENVS)/vllm/.built
@@ -95,9 +95,9 @@ test-vllm-tp2: env-vllm
 
 # rlinfer-ray: pool tests (two vLLM replicas on a local Ray cluster), then the kit against a pool
 # of two replicas for each backend (rlinfer conformance --backend X --replicas 2). The kit's
-# extra-architecture tests open single engines of their own (not the pool) and ran in
+# extra-architecture and dummy-start tests open single engines of their own (not the pool) and ran in
 # test-vllm/test-sglang already: deselected here to keep CI time down (~7 min on 2 cores).
-POOL_KIT_SKIP := -k "not test_architecture_ and not test_routed_experts_match"
+POOL_KIT_SKIP := -k "not test_architecture_ and not test_routed_experts_match and not test_dummy_start"
 # Ray's local cluster is stopped whatever the outcome, so no Ray process outlives the target.
 RAY_STOP := trap '$(VENVS)/vllm/bin/ray stop --force >/dev/null 2>&1 || true' EXIT;
 # CI: the pool tests and the kit against a vLLM pool; the SGLang pool kit runs in `make thorough`.
@@ -120,14 +120,21 @@ test-wheels:
 test: lint typecheck test-core test-wheels test-vllm test-vllm-server-ci test-sglang test-sglang-server-ci test-sglang-tp2 test-vllm-tp2 test-ray test-server test-dialects
 
 # slower checks, not in `make test`: the kit in vLLM server mode alone takes ~15-25 min on 2 shared cores
-thorough: test test-vllm-server test-sglang-server test-ray-sglang test-vllm-architectures test-sglang-architectures test-dialects-full test-server-sglang
+thorough: test test-vllm-server test-sglang-server test-ray-sglang test-vllm-architectures test-sglang-architectures test-dialects-full test-dialects-pool test-server-sglang
 
 # the dialect suites (docs/server.md, "Dialects"): each suite against the engine's own server and
-# `rlinfer serve --dialect X` over the other engine's backend, one server at a time (~4 min on 2
-# cores, in `make test`); test-dialects-full adds rlinfer over the same engine (~6 min)
+# `rlinfer serve --dialect X` over the other engine's backend, one server at a time, and the SGLang
+# dialect over a 2-replica vLLM pool (~6 min on 2 cores, in `make test`); test-dialects-full adds
+# rlinfer over the same engine (~6 min)
 test-dialects: env-vllm env-sglang
 	RLINFER_DIALECT_SERVERS=sglang-reference,rlinfer-vllm timeout 900 $(VENVS)/sglang/bin/python -m pytest tests/dialects/test_sglang_dialect.py -q -p no:cacheprovider
 	RLINFER_DIALECT_SERVERS=vllm-reference,rlinfer-sglang timeout 900 $(VENVS)/vllm/bin/python -m pytest tests/dialects/test_vllm_dialect.py -q -p no:cacheprovider
+	$(RAY_STOP) RLINFER_DIALECT_SERVERS=rlinfer-vllm-pool timeout 900 $(VENVS)/sglang/bin/python -m pytest tests/dialects/test_sglang_dialect.py -q -p no:cacheprovider
+
+# the dialect suites over 2-replica pools (a local Ray cluster each) not covered by test-dialects
+test-dialects-pool: env-vllm env-sglang
+	$(RAY_STOP) RLINFER_DIALECT_SERVERS=rlinfer-vllm-pool,rlinfer-sglang-pool timeout 1200 $(VENVS)/vllm/bin/python -m pytest tests/dialects/test_vllm_dialect.py -q -p no:cacheprovider && \
+	RLINFER_DIALECT_SERVERS=rlinfer-sglang-pool timeout 1200 $(VENVS)/sglang/bin/python -m pytest tests/dialects/test_sglang_dialect.py -q -p no:cacheprovider
 
 test-dialects-full: env-vllm env-sglang
 	timeout 1200 $(VENVS)/sglang/bin/python -m pytest tests/dialects/test_sglang_dialect.py -q -p no:cacheprovider

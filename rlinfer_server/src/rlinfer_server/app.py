@@ -50,6 +50,9 @@ class ServedEngine(Protocol):
     @property
     def in_flight(self) -> frozenset[str]: ...  # noqa: D102
 
+    @property
+    def broadcast_ranks(self) -> int: ...  # noqa: D102
+
     async def generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]: ...  # noqa: D102
     def stream(self, request: GenerateRequest) -> AsyncIterator[CompletionDelta]: ...  # noqa: D102
     async def check_health(self) -> None: ...  # noqa: D102

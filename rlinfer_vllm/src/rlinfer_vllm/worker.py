@@ -77,10 +77,17 @@ class RLInferWorkerExtension:
         """
         self._rlinfer_specs = {}
         self._rlinfer_shadow = None if self.rlinfer_loads_in_place() else {}
-        for name, tensor, dtype in self._rlinfer_read_checkpoint(checkpoint_dtypes):
+        import torch
+
+        dummy = self.vllm_config.load_config.load_format == "dummy"
+        read = self._rlinfer_checkpoint_layout if dummy else self._rlinfer_read_checkpoint
+        for name, tensor, dtype in read(checkpoint_dtypes):
             self._rlinfer_specs[name] = (dtype, tuple(tensor.shape))
-            if self._rlinfer_shadow is not None:  # only the reload mode keeps the weights
-                self._rlinfer_shadow[name] = tensor.to(device="cpu", dtype=dtype).clone()
+            if self._rlinfer_shadow is None:  # only the reload mode keeps the weights
+                continue
+            # a dummy start's shadow holds no policy: the first update must be full (the facade checks)
+            shadow = torch.zeros(tensor.shape, dtype=dtype) if dummy else tensor.to(device="cpu", dtype=dtype).clone()
+            self._rlinfer_shadow[name] = shadow
         self._rlinfer_shadow_dir = None
         self._rlinfer_group = None
         from rlinfer_vllm.reload_log import quiet_buffer_only_layers
@@ -134,6 +141,22 @@ class RLInferWorkerExtension:
             "mapped": sorted(views),
             "total": len(self._rlinfer_specs),
         }
+
+    def _rlinfer_checkpoint_layout(self, checkpoint_dtypes: bool) -> Iterable[tuple[str, torch.Tensor, torch.dtype]]:
+        """:meth:`_rlinfer_read_checkpoint` for an engine started with ``load_format="dummy"``:
+        names, dtypes and shapes from the safetensors headers (no tensor data read), each as an
+        empty tensor on the meta device."""
+        import torch
+
+        from rlinfer_core.transfer.disk import read_specs
+
+        served = self.vllm_config.model_config.dtype
+        out = []
+        for name, spec in read_specs(self.vllm_config.model_config.model).items():
+            dtype = getattr(torch, spec.dtype)
+            kept = dtype if checkpoint_dtypes or not dtype.is_floating_point else served
+            out.append((name, torch.empty(spec.shape, dtype=dtype, device="meta"), kept))
+        return out
 
     def _rlinfer_read_checkpoint(self, checkpoint_dtypes: bool) -> Iterable[tuple[str, torch.Tensor, torch.dtype]]:
         """(name, tensor as read, dtype rlinfer expects updates in) for every checkpoint tensor."""

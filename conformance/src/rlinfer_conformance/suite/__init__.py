@@ -17,6 +17,7 @@ from rlinfer_conformance.suite.test_memory import *  # noqa: F403
 from rlinfer_conformance.suite.test_meta import *  # noqa: F403
 from rlinfer_conformance.suite.test_negative import *  # noqa: F403
 from rlinfer_conformance.suite.test_routing import *  # noqa: F403
+from rlinfer_conformance.suite.test_start_without_weights import *  # noqa: F403
 from rlinfer_conformance.suite.test_stateful import *  # noqa: F403
 from rlinfer_conformance.suite.test_weights import *  # noqa: F403
 from rlinfer_conformance.suite.test_weights_delta import *  # noqa: F403
