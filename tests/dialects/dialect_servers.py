@@ -1,9 +1,10 @@
 """Servers for the dialect suites (helpers; fixtures in conftest.py): the engine's own server and
 ``rlinfer serve --dialect X`` over each backend, each started once per session as a subprocess from its own environment.
 
-``RLINFER_DIALECT_SERVERS`` (comma-separated) picks the servers a run covers; the default is all
-of them. Every server serves the same tiny float32 model on CPU with the same small KV cache, so
-greedy outputs can be compared with the Hugging Face oracle of that model.
+``RLINFER_DIALECT_SERVERS`` (comma-separated) picks the servers a run covers; the default is every
+one-engine server (``rlinfer-X-pool``, a 2-replica pool on a local Ray, only when named). Every
+server serves the same tiny float32 model on CPU with the same small KV cache, so greedy outputs
+can be compared with the Hugging Face oracle of that model.
 """
 
 from __future__ import annotations
@@ -33,7 +34,16 @@ MAX_MODEL_LEN = 1024
 KV_CACHE_BYTES = 64 << 20
 MAX_SEQS = 16
 #: every server kind of the suites (each suite runs the ones of its dialect)
-ALL_KINDS = ("sglang-reference", "vllm-reference", "rlinfer-vllm", "rlinfer-sglang")
+ALL_KINDS = (
+    "sglang-reference",
+    "vllm-reference",
+    "rlinfer-vllm",
+    "rlinfer-sglang",
+    "rlinfer-vllm-pool",
+    "rlinfer-sglang-pool",
+)
+#: replicas of a ``rlinfer-X-pool`` server (an rlinfer-ray pool on a local Ray cluster)
+POOL_REPLICAS = 2
 #: the prompt every suite generates from
 PROMPT = [1, 5, 6, 7, 9, 11]
 
@@ -63,10 +73,11 @@ class DialectServer:
 
 
 def selected(all_kinds: tuple[str, ...]) -> list[str]:
-    """The server kinds of this run (``RLINFER_DIALECT_SERVERS``, default all)."""
+    """The server kinds of this run (``RLINFER_DIALECT_SERVERS``; default: every single-engine
+    kind, pools only when named)."""
     wanted = os.environ.get("RLINFER_DIALECT_SERVERS")
     if not wanted:
-        return list(all_kinds)
+        return [k for k in all_kinds if not k.endswith("-pool")]
     kinds = [k.strip() for k in wanted.split(",") if k.strip()]
     unknown = set(kinds) - set(ALL_KINDS)
     if unknown:
@@ -81,8 +92,11 @@ def free_port() -> int:
     return free()
 
 
-def rlinfer_serve_command(backend: str, model: Path, dialect: str, ready: Path) -> list[str]:
-    """``rlinfer serve --dialect DIALECT`` over ``backend``, from that backend's environment."""
+def rlinfer_serve_command(kind: str, model: Path, dialect: str, ready: Path) -> list[str]:
+    """``rlinfer serve --dialect DIALECT`` for a server kind ``rlinfer-BACKEND`` (one engine) or
+    ``rlinfer-BACKEND-pool`` (a pool of POOL_REPLICAS), from that backend's environment."""
+    backend, _, pool = kind.removeprefix("rlinfer-").partition("-")
+    replicas = ["--replicas", str(POOL_REPLICAS)] if pool == "pool" else []
     return [
         str(VENVS / backend / "bin" / "rlinfer"),
         "serve",
@@ -110,6 +124,7 @@ def rlinfer_serve_command(backend: str, model: Path, dialect: str, ready: Path) 
         dialect,
         "--log-level",
         "warning",
+        *replicas,
     ]
 
 

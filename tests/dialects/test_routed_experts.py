@@ -41,7 +41,7 @@ def moe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _serve(model: Path, dialect: str, tmp: Path, routes: bool) -> Iterator[DialectServer]:
     ready = tmp / "ready.json"
-    command = [*rlinfer_serve_command("sglang", model, dialect, ready), "--served-model-name", "m"]
+    command = [*rlinfer_serve_command("rlinfer-sglang", model, dialect, ready), "--served-model-name", "m"]
     if routes:
         command += ["--set", "enable_routed_experts=true"]
     with started(f"rlinfer-sglang-{dialect}", command, os.environ.copy(), tmp, ready, None) as served:

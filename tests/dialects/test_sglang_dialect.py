@@ -22,6 +22,7 @@ import httpx
 import pytest
 from dialect_servers import (
     MAX_MODEL_LEN,
+    POOL_REPLICAS,
     PROMPT,
     VENVS,
     DialectServer,
@@ -32,7 +33,7 @@ from dialect_servers import (
     started,
 )
 
-SERVERS = selected(("sglang-reference", "rlinfer-vllm", "rlinfer-sglang"))
+SERVERS = selected(("sglang-reference", "rlinfer-vllm", "rlinfer-sglang", "rlinfer-vllm-pool", "rlinfer-sglang-pool"))
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0}
 LOGPROB_TOL = 2e-3
 
@@ -87,9 +88,8 @@ def server(
         with started(kind, command, env, tmp, None, f"http://127.0.0.1:{port}") as served:
             yield served
         return
-    backend = kind.removeprefix("rlinfer-")
     ready = tmp / "ready.json"
-    command = rlinfer_serve_command(backend, tiny_models[0], "sglang", ready)
+    command = rlinfer_serve_command(kind, tiny_models[0], "sglang", ready)
     with started(kind, command, env, tmp, ready, None) as served:
         yield served
 
@@ -262,7 +262,8 @@ def test_server_info_has_the_fields_slime_compares(server: DialectServer, tiny_m
     with server.client() as c:
         for path in ("/server_info", "/get_server_info"):
             info = c.get(path).json()
-            assert (info["tp_size"], info["pp_size"], info["dp_size"], info["ep_size"]) == (1, 1, 1, 1)
+            replicas = POOL_REPLICAS if server.kind.endswith("-pool") else 1  # a pool's replicas: dp
+            assert (info["tp_size"], info["pp_size"], info["dp_size"], info["ep_size"]) == (1, 1, replicas, 1)
             assert info["model_path"] == str(tiny_models[0])
             assert info["dtype"] == "float32"
             assert info["disaggregation_mode"] == "null"
@@ -489,9 +490,11 @@ def test_distributed_update_over_gloo(server: DialectServer, oracle: Oracle, tin
     from rlinfer_core.weights import BroadcastGroup
 
     port = free_port()
-    group = BroadcastGroup("127.0.0.1", port, world_size=2, backend="gloo", group_name="suite-group", timeout_s=120)
     tensors = _tensors(tiny_models[1])
     with server.client(timeout=300) as c, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        info = c.get("/server_info").json()
+        world = 1 + info["tp_size"] * info["pp_size"] * info["dp_size"]  # a pool: 1 + its replicas
+        group = BroadcastGroup("127.0.0.1", port, world, backend="gloo", group_name="suite-group", timeout_s=120)
         init = pool.submit(
             c.post,
             "/init_weights_update_group",
@@ -499,7 +502,7 @@ def test_distributed_update_over_gloo(server: DialectServer, oracle: Oracle, tin
                 "master_address": "127.0.0.1",
                 "master_port": port,
                 "rank_offset": 1,
-                "world_size": 2,
+                "world_size": world,
                 "group_name": "suite-group",
                 "backend": "gloo",
             },

@@ -31,7 +31,7 @@ from dialect_servers import (
     started,
 )
 
-SERVERS = selected(("vllm-reference", "rlinfer-sglang", "rlinfer-vllm"))
+SERVERS = selected(("vllm-reference", "rlinfer-sglang", "rlinfer-vllm", "rlinfer-sglang-pool", "rlinfer-vllm-pool"))
 GREEDY = {"max_tokens": 8, "temperature": 0.0}
 
 
@@ -75,7 +75,7 @@ def server(
             yield s
         return
     ready = tmp / "ready.json"
-    command = rlinfer_serve_command(kind.removeprefix("rlinfer-"), tiny_models[0], "vllm", ready)
+    command = rlinfer_serve_command(kind, tiny_models[0], "vllm", ready)
     with started(kind, command, env, tmp, ready, None) as served:
         yield served
 

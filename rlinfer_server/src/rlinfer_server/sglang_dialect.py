@@ -331,14 +331,17 @@ async def model_info(request: Request) -> dict[str, Any]:
 @router.get("/get_server_info")
 async def server_info(request: Request) -> dict[str, Any]:
     """The ServerArgs fields RL trainers read or compare (slime's external-engine check), from the
-    engine's config, plus ``rlinfer`` (backend, version, capabilities)."""
+    engine's config, plus ``rlinfer`` (backend, version, capabilities). A pool's replicas count as
+    data parallelism: ``tp_size * pp_size * dp_size`` is the ranks it takes in a weight group, so a
+    trainer sizes ``/init_weights_update_group``'s ``world_size`` from it as for one SGLang server."""
     import rlinfer_core
 
     state = state_of(request)
     engine = state.engine
     config = engine.config
     info = engine.model_info
-    ranks = config.tensor_parallel_size * config.pipeline_parallel_size * config.data_parallel_size
+    ranks = engine.broadcast_ranks
+    data_parallel = ranks // (config.tensor_parallel_size * config.pipeline_parallel_size)
     return {
         "model_path": config.model,
         "tokenizer_path": config.tokenizer or config.model,
@@ -347,7 +350,7 @@ async def server_info(request: Request) -> dict[str, Any]:
         "random_seed": config.seed,
         "tp_size": config.tensor_parallel_size,
         "pp_size": config.pipeline_parallel_size,
-        "dp_size": config.data_parallel_size,
+        "dp_size": data_parallel,
         "ep_size": config.expert_parallel_size,
         "moe_dp_size": 1,
         "nnodes": 1,
