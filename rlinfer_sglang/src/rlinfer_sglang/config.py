@@ -33,8 +33,11 @@ On CUDA, ``dtype="float32"`` is refused (InvalidRequest): sgl_kernel's RMSNorm h
 kernel and the scheduler would die at start (seen with SGLang 0.5.16 on an H200).
 
 On CPU the backend also sets SGLang's native PyTorch paths: ``attention_backend="torch_native"``,
-``sampling_backend="pytorch"``, ``disable_cuda_graph=True`` and, without a KV budget,
-``mem_fraction_static=0.05`` of host memory.
+``sampling_backend="pytorch"``, ``disable_cuda_graph=True`` and, without a KV budget, an absolute
+one of ``CPU_DEFAULT_KV_CACHE_BYTES`` (``max_total_tokens``): SGLang's fraction of host memory is
+measured against what is free before and after loading the weights, so a neighbour allocating
+memory meanwhile made a start fail ("Loaded weights leave no GPU memory for the KV cache"); the
+fraction (``mem_fraction_static=0.05``) is left only where the KV bytes per token are unknown.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ from rlinfer_sglang.capabilities import BACKEND, PARALLEL_UNSUPPORTED, Platform
 WEIGHT_LOADER = "rlinfer_sglang.scheduler_side.load"
 
 CPU_DEFAULT_MEM_FRACTION = 0.05
+#: the KV cache of a CPU engine started without kv_cache_memory_bytes (see the module docstring)
+CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
 
 #: SGLang accepts prompts of at most context_length - 6 tokens (it keeps positions in reserve);
 #: rlinfer's max_model_len means "prompt + output <= max_model_len", so SGLang gets this much more
@@ -214,8 +219,12 @@ def server_args(config: EngineConfig, platform: Platform) -> dict[str, Any]:
             # which rlinfer's penalties read (see logits.py); little to gain on CPU anyway
             disable_overlap_schedule=True,
         )
-        if "max_total_tokens" not in args and "mem_fraction_static" not in args:
-            args["mem_fraction_static"] = CPU_DEFAULT_MEM_FRACTION
+        if not {"max_total_tokens", "mem_fraction_static"} & (set(args) | set(config.engine_kwargs)):
+            per_token = kv_bytes_per_token(config.model, config.dtype)
+            if per_token is not None:
+                args["max_total_tokens"] = max(CPU_DEFAULT_KV_CACHE_BYTES // per_token, 256)
+            else:
+                args["mem_fraction_static"] = CPU_DEFAULT_MEM_FRACTION
     elif config.enable_memory_release:
         # without the CPU backup SGLang's resumed weights are garbage (measured on H100)
         args.update(enable_memory_saver=True, enable_weights_cpu_backup=True)

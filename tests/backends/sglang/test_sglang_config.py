@@ -18,6 +18,7 @@ from rlinfer_core.types import Capability, EngineConfig
 from rlinfer_sglang.capabilities import AGENT_CPU, COMMON, SAMPLING, capabilities
 from rlinfer_sglang.config import (
     CONTEXT_RESERVE,
+    CPU_DEFAULT_KV_CACHE_BYTES,
     WEIGHT_LOADER,
     kv_bytes_per_token,
     needs_context_override,
@@ -127,9 +128,15 @@ def test_server_args_mapping(tmp_path: Path) -> None:
     assert cuda["enable_memory_saver"] is True and cuda["enable_weights_cpu_backup"] is True
     assert "attention_backend" not in cuda
     plain = server_args(EngineConfig(model=model), "cpu")
-    assert "context_length" not in plain and "max_total_tokens" not in plain
-    assert plain["mem_fraction_static"] == 0.05
+    assert "context_length" not in plain
+    # an absolute KV budget: a start must not depend on what other processes allocate meanwhile
+    assert plain["max_total_tokens"] == CPU_DEFAULT_KV_CACHE_BYTES // kv_bytes_per_token(model, "auto")
+    assert "mem_fraction_static" not in plain
     assert plain["disable_cuda_graph"] is True
+    unsized = server_args(EngineConfig(model=str(tmp_path / "no-config")), "cpu")
+    assert unsized["mem_fraction_static"] == 0.05 and "max_total_tokens" not in unsized
+    chosen = server_args(EngineConfig(model=model, engine_kwargs={"mem_fraction_static": 0.2}), "cpu")
+    assert chosen["mem_fraction_static"] == 0.2 and "max_total_tokens" not in chosen
 
 
 def test_engine_kwargs_keep_rlinfers_weight_loader(tmp_path: Path) -> None:
