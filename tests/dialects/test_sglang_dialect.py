@@ -54,6 +54,7 @@ def _reference_command(model: Path, port: int) -> list[str]:
         "pytorch",
         "--disable-cuda-graph",
         "--disable-overlap-schedule",
+        "--sleep-on-idle",  # as rlinfer's CPU engines: an idle scheduler otherwise spins a core
         "--dtype",
         "float32",
         "--context-length",

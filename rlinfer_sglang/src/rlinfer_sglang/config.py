@@ -218,6 +218,8 @@ def server_args(config: EngineConfig, platform: Platform) -> dict[str, Any]:
             # the overlap scheduler runs the next step before output_ids holds the last token,
             # which rlinfer's penalties read (see logits.py); little to gain on CPU anyway
             disable_overlap_schedule=True,
+            # an idle scheduler otherwise spins a whole core, which on CPU is the model's own
+            sleep_on_idle=True,
         )
         if not {"max_total_tokens", "mem_fraction_static"} & (set(args) | set(config.engine_kwargs)):
             per_token = kv_bytes_per_token(config.model, config.dtype)
