@@ -47,6 +47,7 @@ import cattrs
 
 from rlinfer_core import verl_config as verl
 from rlinfer_core.errors import InvalidRequest
+from rlinfer_core.tool_loop import ToolLoopConfig
 from rlinfer_core.types import EngineConfig, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -87,6 +88,8 @@ class RolloutSettings:
     pool: Mapping[str, Any] | None = None
     #: what was read but has no effect (verl's other sections, its no-effect keys), one line each
     notes: tuple[str, ...] = ()
+    #: the multi-turn tool loop of verl's ``multi_turn`` section (None unless ``enable: true``)
+    tool_loop: ToolLoopConfig | None = None
 
 
 def _strict(kind: type, what: str) -> Any:
@@ -255,7 +258,7 @@ def _verl_lengths(data: Mapping[str, Any], section: Mapping[str, Any]) -> dict[s
 
 
 def _translate(
-    section: Mapping[str, Any], data: Mapping[str, Any], backend: str | None, where: str
+    section: Mapping[str, Any], data: Mapping[str, Any], backend: str | None, where: str, folder: Path
 ) -> tuple[dict[str, Any], list[str]]:
     """The rollout section's keys as EngineConfig fields, and the keys accepted without effect."""
     fields: dict[str, Any] = {}
@@ -298,6 +301,8 @@ def _translate(
                 )
             resolved = {k: verl.resolve(v, data, section, f"{key}.{k}") for k, v in value.items()}
             put("validation_sampling", key, verl.sampling_fields(resolved, verl.VALIDATION_KEYS))
+        elif key == verl.MULTI_TURN_SECTION:
+            fields["_tool_loop"] = _tool_loop(value, data, section, where, folder)
         elif key == "load_format":
             put("load_format", key, verl.load_format(value))
         elif key == "engine_kwargs":
@@ -325,6 +330,23 @@ def _translate(
     return fields, no_effect
 
 
+def _tool_loop(
+    value: Any, data: Mapping[str, Any], section: Mapping[str, Any], where: str, folder: Path
+) -> ToolLoopConfig | None:
+    """verl's ``multi_turn`` section as a ToolLoopConfig (interpolations resolved; the tool config
+    path relative to the file's folder); errors name the file."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise InvalidRequest(verl.MULTI_TURN_SECTION, f"must be a mapping (in {where}), got {value!r}")
+    resolved = {k: verl.resolve(v, data, section, f"multi_turn.{k}") for k, v in value.items()}
+    resolved = {k: v for k, v in resolved.items() if v != verl.MISSING}
+    try:
+        return ToolLoopConfig.from_verl(resolved, folder)
+    except InvalidRequest as exc:
+        raise InvalidRequest(exc.field, f"{str(exc).removeprefix(f'invalid {exc.field}: ')} (in {where})") from None
+
+
 def read_config_file(path: str | Path) -> RolloutSettings:
     """Read and check a config file's rollout section (see the module docstring)."""
     file = Path(path)
@@ -346,7 +368,8 @@ def read_config_file(path: str | Path) -> RolloutSettings:
         backend = None
     if backend is not None and not (isinstance(backend, str) and backend):
         raise InvalidRequest(BACKEND_KEY, f"must be a backend name (in {where}), got {backend!r}")
-    fields, no_effect = _translate(section, data, backend, where)
+    fields, no_effect = _translate(section, data, backend, where, file.parent)
+    tool_loop = fields.pop("_tool_loop", None)
     model = _model_of(data, str(file))
     if model is not None:
         if "model" in fields and fields["model"] != model:
@@ -359,7 +382,7 @@ def read_config_file(path: str | Path) -> RolloutSettings:
     notes = _notes(data, name, no_effect, file)
     for note in notes:
         logger.info("%s", note)
-    return RolloutSettings(path=str(file), backend=backend, fields=fields, pool=pool, notes=notes)
+    return RolloutSettings(path=str(file), backend=backend, fields=fields, pool=pool, notes=notes, tool_loop=tool_loop)
 
 
 def _notes(data: Mapping[str, Any], section: str, no_effect: list[str], file: Path) -> tuple[str, ...]:

@@ -16,6 +16,8 @@ if TYPE_CHECKING:
     from rlinfer_core.lora import LoraAdapter, LoraInfo
     from rlinfer_core.scoring import Score, ScoreRequest
     from rlinfer_core.session import AsyncSession
+    from rlinfer_core.tool_loop import ToolLoopConfig
+    from rlinfer_core.tool_runner import Prompt, SamplingPolicy, ToolEpisode
     from rlinfer_core.tools import ToolCalls
     from rlinfer_core.types import SamplingParams
 
@@ -74,6 +76,19 @@ class EngineAgent:
         from rlinfer_core.agent import parse_tool_calls
 
         return await parse_tool_calls(self._self(), text, parser, tools)
+
+    async def run_tool_loop(
+        self,
+        prompts: Sequence[Prompt],
+        config: ToolLoopConfig,
+        sampling: SamplingParams | SamplingPolicy | None = None,
+    ) -> list[ToolEpisode]:
+        """The multi-turn tool loop over a batch of prompts, one session each, concurrently
+        (capability ``sessions``; ``generate.tools`` when ``config`` has tools). Returns per prompt
+        the session's result and the tool events; see :mod:`rlinfer_core.tool_runner`."""
+        from rlinfer_core.tool_runner import run_tool_loop
+
+        return await run_tool_loop(self._self(), prompts, config, sampling)
 
     async def load_lora(self, adapter: LoraAdapter) -> LoraInfo:
         """Load a LoRA adapter (capability ``lora``); requests use it with ``lora=adapter.name``."""

@@ -158,6 +158,7 @@ class Engine(SyncTwin):
     session = converted(AsyncEngine.session, Session)  # a sync Session: model turns block like generate
     score = blocking(AsyncEngine.score)
     parse_tool_calls = blocking(AsyncEngine.parse_tool_calls)
+    run_tool_loop = blocking(AsyncEngine.run_tool_loop)
     load_lora = blocking(AsyncEngine.load_lora)
     update_lora = blocking(AsyncEngine.update_lora)
     unload_lora = blocking(AsyncEngine.unload_lora)

@@ -47,6 +47,9 @@ SAMPLING_KEYS: Mapping[str, str] = {
 VALIDATION_SECTION = "val_kwargs"
 VALIDATION_KEYS = ("temperature", "top_k", "top_p", "n", "do_sample")
 
+#: verl's multi-turn tool loop settings -> RolloutSettings.tool_loop (rlinfer_core.tool_loop.ToolLoopConfig)
+MULTI_TURN_SECTION = "multi_turn"
+
 #: verl's logprobs_mode -> rlinfer's LogprobsMode (verl's *_logits modes return logits, which
 #: rlinfer does not)
 LOGPROBS_MODES: Mapping[str, str] = {"processed_logprobs": "processed", "raw_logprobs": "raw"}
@@ -96,7 +99,6 @@ NO_EFFECT: Mapping[str, str] = {
     ),
     "agent": f"{_TRAINER_SIDE} (verl's agent loop workers)",
     "trace": f"{_TRAINER_SIDE} (verl's rollout tracing)",
-    "multi_turn": f"{_TRAINER_SIDE} (verl's multi-turn loop; rlinfer's own is engine.session)",
     "server": "verl's HTTP client settings for its SGLang server adapter; rlinfer uses request_timeout_s",
     "prometheus": "verl's Prometheus service; rlinfer serve exposes /metrics itself",
     "custom": "verl's free-form extension point, read by verl plugins only",
@@ -146,6 +148,7 @@ VERL_ROLLOUT_KEYS: frozenset[str] = frozenset(
         *SAMPLING_KEYS,
         *NO_EFFECT,
         VALIDATION_SECTION,
+        MULTI_TURN_SECTION,
         "dtype",
         "gpu_memory_utilization",
         "enforce_eager",

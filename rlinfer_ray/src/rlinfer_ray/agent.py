@@ -12,7 +12,10 @@ if TYPE_CHECKING:
     from rlinfer_core.lora import LoraAdapter, LoraInfo
     from rlinfer_core.scoring import Score, ScoreRequest
     from rlinfer_core.session import AsyncSession
+    from rlinfer_core.tool_loop import ToolLoopConfig
+    from rlinfer_core.tool_runner import Prompt, SamplingPolicy, ToolEpisode
     from rlinfer_core.tools import ToolCalls
+    from rlinfer_core.types import SamplingParams
     from rlinfer_ray.pool import EnginePool
 
 
@@ -45,6 +48,17 @@ class PoolAgent:
             replica, "parse_tool_calls", text, parser, tools, timeout=pool.pool_config.control_timeout_s
         )
         return result
+
+    async def run_tool_loop(
+        self,
+        prompts: Sequence[Prompt],
+        config: ToolLoopConfig,
+        sampling: SamplingParams | SamplingPolicy | None = None,
+    ) -> list[ToolEpisode]:
+        """See ``AsyncEngine.run_tool_loop``: one pool session per prompt, every turn routed."""
+        from rlinfer_core.tool_runner import run_tool_loop
+
+        return await run_tool_loop(self._pool(), prompts, config, sampling)  # type: ignore[arg-type]
 
     async def _lora_fan_out(self, method: str, *args: Any) -> Any:
         pool = self._pool()

@@ -19,5 +19,6 @@ from rlinfer_conformance.suite.test_negative import *  # noqa: F403
 from rlinfer_conformance.suite.test_routing import *  # noqa: F403
 from rlinfer_conformance.suite.test_start_without_weights import *  # noqa: F403
 from rlinfer_conformance.suite.test_stateful import *  # noqa: F403
+from rlinfer_conformance.suite.test_tool_loop import *  # noqa: F403
 from rlinfer_conformance.suite.test_weights import *  # noqa: F403
 from rlinfer_conformance.suite.test_weights_delta import *  # noqa: F403
