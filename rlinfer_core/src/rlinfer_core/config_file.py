@@ -28,6 +28,10 @@ scalar rules (no ``"3"`` for an int, no ``"yes"`` for a bool); an unknown key or
 raises :class:`~rlinfer_core.errors.InvalidRequest` naming the key, the file and the allowed
 values. Command-line values override the file (:func:`engine_config`).
 
+verl's ``multi_turn`` key is not an engine setting: with ``enable: true`` it is read (with its
+tool config file) into ``RolloutSettings.tool_loop``, a :class:`~rlinfer_core.tool_loop.ToolLoopConfig`
+for ``engine.run_tool_loop``.
+
 A file may also hold a ``pool:`` section (rlinfer-ray's PoolConfig: ``replicas``, ``policy``, ...).
 The core only checks that it is a mapping and hands it on untouched (``RolloutSettings.pool``);
 ``rlinfer_ray.config_file`` structures it with :func:`structure_attrs` under the same rules.
