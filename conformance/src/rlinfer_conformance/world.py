@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -127,6 +128,30 @@ def default_config(model_dir: Path, overrides: Mapping[str, Any]) -> EngineConfi
     }
     fields.update(overrides)
     return EngineConfig(**fields)
+
+
+@contextlib.contextmanager
+def own_world(
+    backend: str, overrides: Mapping[str, Any], report: KitReport, tmp: Path, architecture: str, label: str, why: str
+) -> Iterator[KitWorld]:
+    """An engine of its own (the kit's config with ``overrides``) on the two tiny models of
+    ``architecture``, with their oracle; shut down on exit. ``label`` and ``why``: see
+    :func:`open_or_skip`."""
+    from rlinfer_conformance.oracle import tie_band
+
+    base_dir, other_dir = make_models(tmp, architecture)
+    config = default_config(base_dir, overrides)
+    oracle = Oracle(weight_dtype=config.dtype, tie_tolerance=tie_band(LOGPROB_TOLERANCE))
+    oracle.add(BASE, base_dir)
+    oracle.add(OTHER, other_dir)
+    events = EventRecorder()
+    engine = open_or_skip(backend, config, report, label, why, [events])
+    world = KitWorld(engine, oracle, report, events, tmp, architecture=architecture)
+    try:
+        yield world
+    finally:
+        world.close()
+        engine.shutdown()
 
 
 class KitWorld:

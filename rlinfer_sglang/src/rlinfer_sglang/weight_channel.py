@@ -293,7 +293,9 @@ class WeightChannel(BackendBase):
         from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
 
         tm = self._alive()
-        request = UpdateWeightFromDiskReqInput(model_path=str(Path(path).resolve()))
+        # the format named, not left to the tokenizer manager: it reads the process-wide config,
+        # which the last SGLang engine opened in this process set (a dummy start's "dummy")
+        request = UpdateWeightFromDiskReqInput(model_path=str(Path(path).resolve()), load_format="auto")
         # The scheduler's own flush refuses while a just-finished request is still in its running
         # batch (a race right after generate); flush through the same retrying reset rlinfer uses.
         deferred_flush = hasattr(request, "flush_cache")

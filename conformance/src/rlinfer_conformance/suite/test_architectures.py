@@ -16,15 +16,7 @@ from typing import Any
 import pytest
 
 from rlinfer_conformance.report import KitReport
-from rlinfer_conformance.world import (
-    BASE,
-    OTHER,
-    EventRecorder,
-    KitWorld,
-    default_config,
-    make_models,
-    open_or_skip,
-)
+from rlinfer_conformance.world import BASE, OTHER, KitWorld, own_world
 from rlinfer_core.tiny_model import ARCHITECTURES
 from rlinfer_core.types import Capability
 
@@ -51,24 +43,11 @@ def rlinfer_arch_world(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[KitWorld]:
     """An engine on the tiny model of one more architecture, with its oracle."""
-    from rlinfer_conformance.oracle import Oracle, tie_band
-    from rlinfer_conformance.world import LOGPROB_TOLERANCE
-
     architecture = str(request.param)
     tmp = Path(tmp_path_factory.mktemp(f"rlinfer-kit-{architecture}"))
-    base_dir, other_dir = make_models(tmp, architecture)
-    config = default_config(base_dir, rlinfer_config_overrides)
-    oracle = Oracle(weight_dtype=config.dtype, tie_tolerance=tie_band(LOGPROB_TOLERANCE))
-    oracle.add(BASE, base_dir)
-    oracle.add(OTHER, other_dir)
-    events = EventRecorder()
-    engine = open_or_skip(rlinfer_backend, config, rlinfer_report, architecture, architecture, [events])
-    world = KitWorld(engine, oracle, rlinfer_report, events, tmp, architecture=architecture)
-    try:
+    backend, overrides, report = rlinfer_backend, rlinfer_config_overrides, rlinfer_report
+    with own_world(backend, overrides, report, tmp, architecture, architecture, architecture) as world:
         yield world
-    finally:
-        world.close()
-        engine.shutdown()
 
 
 @pytest.mark.hooks("rlinfer_generate", "rlinfer_update_weights")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import pytest
 from hypothesis import given
@@ -213,12 +214,7 @@ def test_top_logprobs_match_oracle(rlinfer_world: KitWorld) -> None:
         want = rlinfer_world.oracle.top_logprobs(rlinfer_world.current, c.prompt_token_ids, c.token_ids, k)
         for got_row, want_row in zip(c.top_logprobs, want, strict=True):
             assert len(got_row) >= k
-            floor = min(got_row.values())
-            for token, value in want_row.items():
-                if token in got_row:
-                    assert abs(got_row[token] - value) <= LOGPROB_TOLERANCE, (token, got_row, want_row)
-                else:  # only a near-tie at the k-th place may change which token makes the cut
-                    assert value <= floor + rlinfer_world.oracle.tie_tolerance, (token, got_row, want_row)
+            _assert_top_row(rlinfer_world, got_row, want_row)
 
 
 @pytest.mark.requires(Capability.PROMPT_LOGPROBS, Capability.TOP_LOGPROBS)
@@ -234,12 +230,18 @@ def test_prompt_top_logprobs_match_oracle(rlinfer_world: KitWorld) -> None:
         want = rlinfer_world.oracle.prompt_top_logprobs(rlinfer_world.current, prompt, k)
         for got_row, want_row in zip(c.prompt_top_logprobs[1:], want, strict=True):
             assert got_row is not None and len(got_row) == k, got_row
-            floor = min(got_row.values())
-            for token, value in want_row.items():
-                if token in got_row:
-                    assert abs(got_row[token] - value) <= LOGPROB_TOLERANCE, (token, got_row, want_row)
-                else:  # only a near-tie at the k-th place may change which token makes the cut
-                    assert value <= floor + rlinfer_world.oracle.tie_tolerance, (token, got_row, want_row)
+            _assert_top_row(rlinfer_world, got_row, want_row)
+
+
+def _assert_top_row(world: KitWorld, got_row: Mapping[int, float], want_row: Mapping[int, float]) -> None:
+    """One position's alternatives: the oracle's top tokens with their logprobs; only a near-tie
+    at the k-th place may change which token makes the cut."""
+    floor = min(got_row.values())
+    for token, value in want_row.items():
+        if token in got_row:
+            assert abs(got_row[token] - value) <= LOGPROB_TOLERANCE, (token, got_row, want_row)
+        else:
+            assert value <= floor + world.oracle.tie_tolerance, (token, got_row, want_row)
 
 
 @pytest.mark.requires(Capability.STOP_STRINGS)

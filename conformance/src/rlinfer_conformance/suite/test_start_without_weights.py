@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from rlinfer_conformance.report import KitReport
-from rlinfer_conformance.world import BASE, OTHER, EventRecorder, KitWorld, default_config, make_models, open_or_skip
+from rlinfer_conformance.world import BASE, OTHER, KitWorld, own_world
 from rlinfer_core.errors import WeightsNotLoaded, WeightUpdateError
 from rlinfer_core.types import GenerateRequest
 from rlinfer_core.weights import NamedTensors
@@ -30,23 +30,10 @@ def rlinfer_dummy_world(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[KitWorld]:
     """An engine of its own started with ``load_format="dummy"`` on the kit's tiny model."""
-    from rlinfer_conformance.oracle import Oracle, tie_band
-    from rlinfer_conformance.world import LOGPROB_TOLERANCE
-
+    overrides = {**rlinfer_config_overrides, "load_format": "dummy"}
     tmp = Path(tmp_path_factory.mktemp("rlinfer-kit-dummy"))
-    base_dir, other_dir = make_models(tmp, "llama")
-    config = default_config(base_dir, {**rlinfer_config_overrides, "load_format": "dummy"})
-    oracle = Oracle(weight_dtype=config.dtype, tie_tolerance=tie_band(LOGPROB_TOLERANCE))
-    oracle.add(BASE, base_dir)
-    oracle.add(OTHER, other_dir)
-    events = EventRecorder()
-    engine = open_or_skip(rlinfer_backend, config, rlinfer_report, "dummy", "load_format='dummy'", [events])
-    world = KitWorld(engine, oracle, rlinfer_report, events, tmp, architecture="llama")
-    try:
+    with own_world(rlinfer_backend, overrides, rlinfer_report, tmp, "llama", "dummy", "load_format='dummy'") as world:
         yield world
-    finally:
-        world.close()
-        engine.shutdown()
 
 
 @pytest.mark.hooks("rlinfer_generate", "rlinfer_update_weights")

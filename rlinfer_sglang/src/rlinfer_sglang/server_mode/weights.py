@@ -323,7 +323,8 @@ class ServerWeights(InFlight):
     async def rlinfer_bench_raw_weight_update(self, path: str) -> None:
         """SGLang's own ``/update_weights_from_disk``, no rlinfer validation."""
         http = self._alive()
-        body = {"model_path": str(Path(path).resolve()), "flush_cache": False}
+        # a checkpoint on disk holds real weights, also on a server started with load_format=dummy
+        body = {"model_path": str(Path(path).resolve()), "flush_cache": False, "load_format": "auto"}
         ok, message = await self._control(http, "/update_weights_from_disk", body)
         if not ok:
             raise WeightUpdateError(f"SGLang update_weights_from_disk failed: {message}")
