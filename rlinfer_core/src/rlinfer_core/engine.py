@@ -11,6 +11,7 @@ change, and event hooks for observer plugins. The backend object only drives its
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncGenerator, Sequence
@@ -42,6 +43,9 @@ from rlinfer_core.types import (
     GenerateRequest,
     PauseMode,
 )
+
+#: how long abort() keeps aborting targets the engine may not have registered yet
+ABORT_SETTLE_S = 2.0
 
 
 class AsyncEngine(EngineAgent, EngineWeights):
@@ -216,8 +220,15 @@ class AsyncEngine(EngineAgent, EngineWeights):
         self.capabilities.require(Capability.ABORT)
         impl = present(self._abort_impl, "rlinfer_abort", self.backend_name)
         ids = [request_ids] if isinstance(request_ids, str) else (None if request_ids is None else list(request_ids))
+        targets = sorted(self._admission.in_flight) if ids is None else ids
         self._admission.abort_waiting(ids)
         await self._with_timeout(impl.rlinfer_abort(ids), 60.0, "abort")
+        # A request accepted here may not be registered in the engine yet (it ignores an unknown
+        # id, and "all" means all it knows): abort again until each target has ended, bounded.
+        deadline = time.monotonic() + ABORT_SETTLE_S
+        while (left := [i for i in targets if i in self._admission.in_flight]) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+            await self._with_timeout(impl.rlinfer_abort(left), 60.0, "abort")
 
     async def pause(self, mode: PauseMode | str = PauseMode.ABORT) -> None:
         """Pause generation (see PauseMode for what happens to in-flight requests)."""
