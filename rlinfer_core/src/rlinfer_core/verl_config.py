@@ -28,6 +28,7 @@ ALIASES: Mapping[str, str] = {
     "free_cache_engine": "enable_memory_release",
     "prompt_length": "max_prompt_tokens",
     "response_length": "max_response_tokens",
+    "full_determinism": "deterministic",
 }
 
 #: verl's rollout keys that set the default sampling (EngineConfig.default_sampling), by the
@@ -128,6 +129,22 @@ NO_EFFECT: Mapping[str, str] = {
     "scheduling_policy": (
         "only fcfs, the engines' default: rlinfer's requests carry no priority a priority policy could use"
     ),
+    # verl 0.9's keys (verl/workers/config/rollout.py of verl 0.9.1)
+    "nnodes": "verl's placement of rollout replicas; an rlinfer engine's ranks are its parallel sizes",
+    "n_gpus_per_node": "verl's placement of rollout replicas; an rlinfer engine's ranks are its parallel sizes",
+    "seed": (
+        "verl's vLLM server seeds each request with it under full_determinism; rlinfer's requests carry "
+        "their own SamplingParams.seed (the rlinfer-verl server sets it as verl does)"
+    ),
+    "standalone_gpu_memory_utilization": (
+        "verl's memory fraction for standalone replicas; gpu_memory_utilization is used"
+    ),
+    "moe_tensor_parallel_size": "only 1: TensorRT-LLM's MoE tensor parallelism",
+    "checkpoint_manager_class": f"{_TRAINER_SIDE} (verl's checkpoint-engine manager)",
+    "moe_load_balance_metrics_interval": f"{_TRAINER_SIDE} (verl's MoE load-balance metrics)",
+    "qat": "only null: rlinfer's weight updates and checksums are for unquantized models",
+    "disaggregation": "only without disaggregation.enabled: rlinfer runs no prefill/decode disaggregation",
+    "router_config_path": "verl's request router between replicas; an rlinfer pool routes its own requests",
 }
 
 #: keys of NO_EFFECT that are accepted only at these values (anything else asks for something
@@ -139,9 +156,11 @@ ONLY_VALUES: Mapping[str, tuple[Any, ...]] = {
     "enable_rollout_routing_replay": (False,),
     "scheduling_policy": ("fcfs", None),
     "mode": ("async", "sync"),
+    "moe_tensor_parallel_size": (1, None),
+    "qat": (None,),
 }
 
-#: every key of verl's RolloutConfig (verl 0.8: verl/workers/config/rollout.py) besides ``name``
+#: every key of verl's RolloutConfig (verl 0.8 and 0.9: verl/workers/config/rollout.py) besides ``name``
 VERL_ROLLOUT_KEYS: frozenset[str] = frozenset(
     {
         *ALIASES,
@@ -288,6 +307,10 @@ def load_format(value: Any) -> str:
 
 def check_only_values(key: str, value: Any) -> None:
     """Refuse a value of a no-effect key that asks for something rlinfer cannot do."""
+    if key == "disaggregation":
+        if isinstance(value, Mapping) and value.get("enabled") is True:
+            raise InvalidRequest(key, f"{NO_EFFECT[key]}; set disaggregation.enabled: false")
+        return
     if key == "mtp":
         enabled = isinstance(value, Mapping) and value.get("enable_rollout") is True
         if enabled:
