@@ -9,12 +9,11 @@ lifecycle ``/init_weight_transfer_engine`` -> ``/start_weight_update`` -> ``/upd
 State: ``/is_paused``, ``/is_sleeping``, ``/get_world_size``, ``/server_info``, ``/weight_info``.
 
 Weight transfer (:mod:`rlinfer_server.vllm_weights`): the server joins the trainer's group as one
-rank and receives each ``/update_weights`` call's tensors (one broadcast per tensor from rank 0);
+rank, whatever the engine's TP/PP/DP or replicas (so ``/get_world_size`` answers 1), and receives
+each ``/update_weights`` call's tensors on vLLM's own wire (StatelessProcessGroup rendezvous +
+NCCL, one broadcast per tensor or packed buffers; a gloo variant on CPU);
 ``/finish_weight_update`` loads everything received since ``/start_weight_update`` as one rlinfer
-update, all or nothing, labelled with its ``weight_version``. The group is a torch.distributed
-group built as SGLang's ``init_weights_update_group`` builds it (gloo on CPU, NCCL on GPU), not
-vLLM's ``StatelessProcessGroup`` + PyNccl, and ``packed`` transfers are refused: wire
-compatibility with vLLM's ``NCCLWeightTransferEngine`` trainer side is not done yet.
+update, all or nothing, labelled with its ``weight_version``.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from rlinfer_core.types import EngineConfig, PauseMode
 from rlinfer_server.dialect_common import VersionConflict, error_status, parse_version, state_of
 from rlinfer_server.dialects import Dialect
 from rlinfer_server.vllm_generate import VllmGenerateBody, generate_answer, generate_requests
-from rlinfer_server.vllm_weights import session_of
+from rlinfer_server.vllm_weights import default_weight_backend, session_of
 
 router = APIRouter()
 
@@ -98,18 +97,19 @@ async def abort_requests(request: Request) -> JSONResponse:
 
 @router.get("/get_world_size")
 async def get_world_size(request: Request, include_dp: Annotated[bool, Query()] = True) -> dict[str, int]:
-    """TP x PP (x DP with ``include_dp``) of the engine config."""
-    config = state_of(request).engine.config
-    size = config.tensor_parallel_size * config.pipeline_parallel_size
-    return {"world_size": size * (config.data_parallel_size if include_dp else 1)}
+    """The ranks this server takes in a weight group: 1. vLLM answers TP x PP (x DP), the workers
+    that each join; here the server process receives once for every worker and replica, and
+    trainers size the group from this answer (TRL: ``world_size = get_world_size() + 1``)."""
+    state_of(request).engine  # noqa: B018  (503 when the engine is not running)
+    return {"world_size": 1}
 
 
 @router.get("/server_info")
 async def server_info(request: Request) -> dict[str, Any]:
     """vLLM's ``/server_info?config_format=json`` shape: the engine config under ``vllm_config``
     in vLLM's sections (TRL reads ``model_config.logprobs_mode`` and ``weight_transfer_config``),
-    and rlinfer's own facts. ``weight_transfer_config`` is null: vLLM's packed NCCL transfer engine
-    is not spoken (see the module doc), so TRL's ``init_communicator`` says so up front."""
+    and rlinfer's own facts. ``weight_transfer_config`` names the transport ``/init_weight_transfer_engine``
+    uses by default: vLLM's NCCL wire where CUDA is available, else the gloo variant."""
     import rlinfer_core
 
     state = state_of(request)
@@ -120,7 +120,7 @@ async def server_info(request: Request) -> dict[str, Any]:
             "version": rlinfer_core.__version__,
             "capabilities": engine.capabilities.to_dict(),
             "weight_version": engine.weight_version,
-            "weight_transfer": "torch.distributed broadcast (SGLang's group layout), one rank per server",
+            "weight_transfer": "vLLM's NCCL wire (or gloo on CPU), one rank per server",
         },
     }
 
@@ -159,7 +159,7 @@ def vllm_config_sections(config: EngineConfig, capabilities: Capabilities, serve
         "load_config": {"load_format": config.load_format},
         "device_config": {"device": config.device},
         "lora_config": {"max_lora_rank": config.engine_kwargs.get("max_lora_rank")} if lora else None,
-        "weight_transfer_config": None,
+        "weight_transfer_config": {"backend": default_weight_backend(config)},
     }
 
 

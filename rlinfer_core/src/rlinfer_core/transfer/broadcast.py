@@ -105,3 +105,37 @@ def receive(pg: Any, specs: Sequence[TensorSpec], device: str | torch.device = "
     for work in works:
         work.wait()
     return out
+
+
+class GroupReceiver:
+    """A non-zero rank of a torch.distributed weight group, as a
+    :class:`~rlinfer_core.transfer.vllm_wire.Receiver` (CPU tensors: the gloo variant)."""
+
+    def __init__(self, group: BroadcastGroup, rank: int) -> None:
+        self._pg = create_group(group, rank)
+
+    @property
+    def device(self) -> torch.device:
+        """Received tensors live on the CPU."""
+        import torch
+
+        return torch.device("cpu")
+
+    def receive_into(self, tensor: torch.Tensor, deadline: float) -> None:
+        """Fill ``tensor`` from rank 0's next broadcast, waiting at most until ``deadline``."""
+        import time
+
+        import torch.distributed as dist
+
+        from rlinfer_core.errors import EngineTimeout
+
+        work = dist.broadcast(tensor, src=0, group=self._pg, async_op=True)
+        remaining = max(deadline - time.monotonic(), 0.001)
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=remaining))
+        except RuntimeError as exc:
+            raise EngineTimeout(f"the trainer's broadcast did not arrive before the deadline ({exc})") from exc
+
+    def close(self) -> None:
+        """Destroy the group."""
+        destroy_group(self._pg)
