@@ -23,7 +23,7 @@ if [ -f "$_gpu_ray/.installed" ]; then
   _gpu_extra=":$_gpu_ray:$_gpu_repo/rlinfer_ray/src"
   export PATH="$PATH:$_gpu_ray/bin"
 fi
-export PYTHONPATH="$(python3 "$_gpu_here/bundle_tool.py" pythonpath "$_gpu_site"):$_gpu_repo/rlinfer_core/src:$_gpu_repo/conformance/src:$_gpu_repo/rlinfer_demo/src:$_gpu_repo/$_gpu_backend/src$_gpu_extra${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$(python3 "$_gpu_here/bundle_tool.py" pythonpath "$_gpu_site"):$_gpu_repo/rlinfer_core/src:$_gpu_repo/conformance/src:$_gpu_repo/rlinfer_demo/src:$_gpu_repo/rlinfer_server/src:$_gpu_repo/$_gpu_backend/src$_gpu_extra${PYTHONPATH:+:$PYTHONPATH}"
 if [ -n "$_gpu_cu13" ]; then
   export LD_LIBRARY_PATH="$_gpu_cu13${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi

@@ -14,8 +14,8 @@ REPO=$(cd "$HERE/../.." && pwd)
 SITE=${GPU_SITE_ROOT:-/tmp}/${ENGINE}_site
 PY=${PYTHON:-python3}
 case "$ENGINE" in
-  vllm) REGISTER=(rlinfer_core conformance rlinfer_demo rlinfer_vllm) ;;
-  sglang) REGISTER=(rlinfer_core conformance rlinfer_demo rlinfer_sglang) ;;
+  vllm) REGISTER=(rlinfer_core conformance rlinfer_demo rlinfer_server rlinfer_vllm) ;;
+  sglang) REGISTER=(rlinfer_core conformance rlinfer_demo rlinfer_server rlinfer_sglang) ;;
   ray) REGISTER=(rlinfer_ray) ;;
   *) echo "install: unknown bundle '$ENGINE' (vllm|sglang|ray)" >&2; exit 2 ;;
 esac

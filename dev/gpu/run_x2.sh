@@ -9,6 +9,9 @@
 #            extra architectures included; for the engines in RLINFER_X2_SPLIT (default: both) as
 #            two processes side by side, tp2-main and tp2-faults (the fault matrix alone: ~4 engine
 #            starts at TP=2)                          -> $OUT/tp2-{main,faults}-E.{json,log} (8 files)
+#   trl-sync TRL's VLLMClient weight sync (NCCL, packed) into `rlinfer serve --dialect vllm` and
+#            vLLM's own server (RLINFER_TRL_SERVERS), oracle parity after each update
+#                                                            -> $OUT/trl-sync-S.json, .server.log
 #   pool     pool_scaling_bench.py: 2 replicas (one GPU each) vs 1, generate scaling (goal >= 1.9x)
 #            and weight sync to 2 vs 1 (goal <= 1.2x), by tensors and disk  -> $OUT/pool-E.{json,log}
 # Environment: RLINFER_X2_ENGINES (tp-kit: default every installed engine), RLINFER_X2_SPLIT,
@@ -25,7 +28,7 @@ mkdir -p "$OUT"
 SITES=${GPU_SITE_ROOT:-/tmp}
 MODEL=${RLINFER_GPU_MODEL:-/tmp/rlinfer_model}
 export RLINFER_GPU_TIMEOUT=${RLINFER_GPU_TIMEOUT:-540}
-[ $# -gt 0 ] || { echo "usage: run_x2.sh setup|tp-kit|pool ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: run_x2.sh setup|tp-kit|pool|trl-sync ..." >&2; exit 2; }
 rc=0
 
 installed() { [ -f "$SITES/$1_site/.installed" ]; }
@@ -135,8 +138,24 @@ for s in "$@"; do
       tail -n 30 "$OUT/pool-$e.log" 2>/dev/null
       summary "$OUT/pool-$e.json"
       ;;
+    trl-sync)
+      # TRL's VLLMClient (the wheel carried in .gpu/parts/trl) syncs weights over NCCL, packed,
+      # into each vLLM-dialect server of RLINFER_TRL_SERVERS on GPU 0, the trainer on GPU 1
+      if [ ! -f "$SITES/trl_site/.installed" ]; then
+        python3 -m pip install --quiet --no-index --no-deps --target "$SITES/trl_site" "$REPO"/.gpu/parts/trl/trl-*.whl \
+          && touch "$SITES/trl_site/.installed" || rc=1
+      fi
+      for server in ${RLINFER_TRL_SERVERS:-rlinfer-vllm vllm-reference}; do
+        precision=(--dtype float32 --tol 1e-2)
+        [ "$server" = rlinfer-sglang ] && precision=(--dtype bfloat16 --tol 5e-2)  # as the kit runs SGLang on GPU
+        (source "$HERE/env.sh" vllm && PYTHONPATH="$PYTHONPATH:$SITES/trl_site" CUDA_VISIBLE_DEVICES=1 \
+          timeout "${RLINFER_GPU_TIMEOUT}" python3 "$HERE/trl_weight_sync.py" --server "$server" --model "$MODEL" \
+          --out "$OUT/trl-sync-$server.json" "${precision[@]}") 2>&1 | tail -n 25 || rc=1
+        [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+      done
+      ;;
     *)
-      echo "run_x2: unknown step '$s' (setup, tp-kit, pool)" >&2
+      echo "run_x2: unknown step '$s' (setup, tp-kit, pool, trl-sync)" >&2
       rc=2
       ;;
   esac
