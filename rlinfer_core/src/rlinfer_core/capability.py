@@ -66,6 +66,12 @@ class Capability(enum.StrEnum):
     TOOLS = "generate.tools"
     #: JSON schema / regex / choice constraints (:mod:`rlinfer_core.structured`)
     STRUCTURED = "generate.structured"
+    #: SamplingParams.stop_regex: stop at the first match of a regular expression in the output
+    STOP_REGEX = "generate.stop_regex"
+    #: StructuredOutput.ebnf: an EBNF (GBNF) grammar constraint, beside generate.structured
+    GRAMMAR_EBNF = "generate.grammar_ebnf"
+    #: GenerateRequest.priority other than 0: requests queue by priority (lower first)
+    PRIORITY = "generate.priority"
     #: LoRA adapters: load, unload, update in place, per-request use (:mod:`rlinfer_core.lora`)
     LORA = "lora"
 

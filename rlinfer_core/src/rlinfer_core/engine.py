@@ -85,6 +85,8 @@ class AsyncEngine(EngineAgent, EngineWeights):
             engine.capabilities.require(Capability.DETERMINISTIC)
         if config.enable_routed_experts:
             engine.capabilities.require(Capability.GENERATE_ROUTED_EXPERTS)
+        if config.priority_scheduling:
+            engine.capabilities.require(Capability.PRIORITY)
         engine._discarded = config.load_format == "dummy"  # random weights: generate waits for an update
         started = time.perf_counter()
         try:
@@ -158,6 +160,16 @@ class AsyncEngine(EngineAgent, EngineWeights):
             seconds=time.perf_counter() - started,
         )
         return stamped
+
+    async def generate_over_sampled(
+        self, requests: GenerateRequest | Sequence[GenerateRequest], over_sample_rate: float
+    ) -> list[Completion]:
+        """:meth:`generate`, returning once ``ceil(over_sample_rate * len(requests))`` requests have
+        finished: the others are aborted and come back with ``finish_reason="abort"`` and their
+        partial tokens (see :mod:`rlinfer_core.over_sample`)."""
+        from rlinfer_core.over_sample import generate_over_sampled
+
+        return await generate_over_sampled(self, requests, over_sample_rate, self.capabilities, self._validate_request)
 
     def _stamp(self, completion: Completion) -> Completion:
         """Fill ``token_versions`` where a backend left them out (exact when no update overlapped

@@ -8,6 +8,7 @@ from typing import Any, assert_never
 
 from rlinfer_core.errors import InvalidRequest, WeightUpdateError
 from rlinfer_core.model_info import ModelInfo
+from rlinfer_core.structured import StructuredKind
 from rlinfer_core.types import (
     ALL_MEMORY_TAGS,
     PAUSE_CAPABILITY,
@@ -74,6 +75,12 @@ def request_capabilities(request: GenerateRequest) -> list[Capability]:
         needed.append(Capability.SEEDED_SAMPLING)
     if s.stop:
         needed.append(Capability.STOP_STRINGS)
+    if s.stop_regex:
+        needed.append(Capability.STOP_REGEX)
+    if s.structured is not None and s.structured.kind is StructuredKind.EBNF:
+        needed.append(Capability.GRAMMAR_EBNF)  # generate.structured: agent_request_capabilities
+    if request.priority != 0:
+        needed.append(Capability.PRIORITY)
     if s.min_p > 0.0:
         needed.append(Capability.SAMPLING_MIN_P)
     if s.penalised:

@@ -6,6 +6,7 @@ Re-exported by :mod:`rlinfer_core.types` (import them from there).
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,6 +18,9 @@ from rlinfer_core.structured import StructuredOutput, to_structured
 
 MAX_TOP_LOGPROBS = 20
 MAX_N = 256
+#: at most this many stop_regex patterns, each at most MAX_STOP_REGEX_BYTES long (SGLang's limits)
+MAX_STOP_REGEX = 32
+MAX_STOP_REGEX_BYTES = 256
 
 
 class LogprobsMode(enum.StrEnum):
@@ -66,6 +70,24 @@ def _to_logprobs_mode(value: Any) -> LogprobsMode:
         ) from None
 
 
+def _check_stop_regex(_inst: Any, _attribute: Any, value: tuple[str, ...]) -> None:
+    if len(value) > MAX_STOP_REGEX:
+        raise InvalidRequest("stop_regex", f"at most {MAX_STOP_REGEX} patterns, got {len(value)}")
+    for i, pattern in enumerate(value):
+        if not isinstance(pattern, str) or not pattern:
+            raise InvalidRequest("stop_regex", f"item {i} must be a non-empty string, got {pattern!r}")
+        if len(pattern.encode()) > MAX_STOP_REGEX_BYTES:
+            raise InvalidRequest("stop_regex", f"item {i} must be at most {MAX_STOP_REGEX_BYTES} bytes long")
+        try:
+            compiled = re.compile(pattern)
+        except re.error as exc:
+            raise InvalidRequest("stop_regex", f"item {i} ({pattern!r}) does not compile: {exc}") from None
+        if compiled.search("") is not None:
+            raise InvalidRequest(
+                "stop_regex", f"item {i} ({pattern!r}) matches the empty string (it would stop at once)"
+            )
+
+
 def _to_optional_ids(value: Any) -> tuple[int, ...] | None:
     return None if value is None else v.to_tuple(value)
 
@@ -92,6 +114,15 @@ class SamplingParams:
     seed: int | None = attrs.field(default=None, validator=v.in_range(0, 2**31 - 1, integer=True, allow_none=True))
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=v.to_tuple, validator=v.int_items())
     stop: tuple[str, ...] = attrs.field(default=(), converter=v.to_tuple, validator=v.non_empty_strings)
+    #: Python regular expressions searched in the output text as it grows: the output ends at the
+    #: token that completes the first match (capability generate.stop_regex); stop_reason is the
+    #: pattern, and ``text`` is cut where the match starts (see include_stop_str_in_output)
+    stop_regex: tuple[str, ...] = attrs.field(default=(), converter=v.to_tuple, validator=_check_stop_regex)
+    #: keep the matched stop string (or stop_regex match) at the end of Completion.text; token_ids
+    #: hold the tokens that completed the match either way
+    include_stop_str_in_output: bool = attrs.field(
+        default=False, validator=v.instance_of(bool, "a bool (True or False)")
+    )
     ignore_eos: bool = attrs.field(default=False, validator=v.instance_of(bool, "a bool (True or False)"))
     logprobs: int = attrs.field(default=0, validator=v.in_range(0, MAX_TOP_LOGPROBS, integer=True))
     prompt_logprobs: bool = attrs.field(default=False, validator=v.instance_of(bool, "a bool (True or False)"))
@@ -114,7 +145,8 @@ class SamplingParams:
         default=None, converter=_to_optional_ids, validator=attrs.validators.optional(v.int_items())
     )
     logprobs_mode: LogprobsMode = attrs.field(default=LogprobsMode.PROCESSED, converter=_to_logprobs_mode)
-    #: constrain the output to a JSON schema, a regex or a choice (capability generate.structured)
+    #: constrain the output to a JSON schema, a regex, a choice (capability generate.structured) or
+    #: an EBNF grammar (generate.structured and generate.grammar_ebnf)
     structured: StructuredOutput | None = attrs.field(default=None, converter=to_structured)
     #: return Completion.routed_experts, the experts each token was routed to (capability
     #: generate.routed_experts; alignment in :mod:`rlinfer_core.routing`)

@@ -1,8 +1,10 @@
-"""Structured-output constraints (capability ``generate.structured``): JSON schema, regex, choice.
+"""Structured-output constraints (capability ``generate.structured``): JSON schema, regex, choice,
+and EBNF grammars (capability ``generate.grammar_ebnf`` as well).
 
 A constraint is set on :attr:`rlinfer_core.types.SamplingParams.structured` and validated where it
 is built, so an invalid JSON schema or regex is an :class:`~rlinfer_core.errors.InvalidRequest`
-naming the field (``structured.json_schema``, ``structured.regex``, ``structured.choice``) and
+naming the field (``structured.json_schema``, ``structured.regex``, ``structured.choice``,
+``structured.ebnf``) and
 never reaches an engine. The engines enforce it with their own grammar backends (xgrammar, or what
 each engine uses); the kit checks that every output parses / matches.
 
@@ -33,6 +35,8 @@ class StructuredKind(enum.StrEnum):
     JSON_SCHEMA = "json_schema"  #: the output is one JSON document valid under the schema
     REGEX = "regex"  #: the output matches the regular expression in full
     CHOICE = "choice"  #: the output is exactly one of the given strings
+    #: the output is a sentence of the EBNF grammar (GBNF dialect: ``root ::= "yes" | "no"``)
+    EBNF = "ebnf"
 
 
 def check_json_schema(schema: Any, field: str = f"{FIELD}.json_schema") -> Mapping[str, Any] | bool:
@@ -78,13 +82,15 @@ def _to_kind(value: Any) -> StructuredKind:
 
 @attrs.frozen
 class StructuredOutput:
-    """One constraint on the generated text. Build it with :meth:`json`, :meth:`regex` or
-    :meth:`choices`, or pass ``{"json_schema": ...}`` / ``{"regex": ...}`` / ``{"choice": [...]}``
-    to ``SamplingParams(structured=...)``.
+    """One constraint on the generated text. Build it with :meth:`json`, :meth:`regex`,
+    :meth:`choices` or :meth:`ebnf`, or pass ``{"json_schema": ...}`` / ``{"regex": ...}`` /
+    ``{"choice": [...]}`` / ``{"ebnf": ...}`` to ``SamplingParams(structured=...)``.
 
     ``value``: the JSON schema (a dict, or True for any JSON), the regex (Python ``re`` syntax
-    restricted to what grammar engines accept: no look-around, no back-references), or the
-    tuple of choices.
+    restricted to what grammar engines accept: no look-around, no back-references), the
+    tuple of choices, or the EBNF grammar text (the GBNF dialect both engines' xgrammar reads,
+    starting at the rule ``root``; the engine compiles it, and a grammar it cannot compile is an
+    InvalidRequest).
     """
 
     kind: StructuredKind = attrs.field(converter=_to_kind)
@@ -97,6 +103,8 @@ class StructuredOutput:
             object.__setattr__(self, "value", _freeze(check_json_schema(self.value)))
         elif self.kind is StructuredKind.REGEX:
             object.__setattr__(self, "value", check_regex(self.value))
+        elif self.kind is StructuredKind.EBNF:
+            object.__setattr__(self, "value", check_ebnf(self.value))
         else:
             object.__setattr__(self, "value", check_choices(self.value))
         object.__setattr__(self, "key", json.dumps(self.value, sort_keys=True))
@@ -116,6 +124,11 @@ class StructuredOutput:
         """Output exactly one of ``options``."""
         return cls(StructuredKind.CHOICE, tuple(options))
 
+    @classmethod
+    def ebnf(cls, grammar: str) -> StructuredOutput:
+        """Output a sentence of the EBNF ``grammar`` (rule ``root`` first: ``root ::= "yes" | "no"``)."""
+        return cls(StructuredKind.EBNF, grammar)
+
     @property
     def schema_json(self) -> str:
         """The JSON schema as JSON text (for engines that take a string)."""
@@ -123,9 +136,14 @@ class StructuredOutput:
 
     def accepts(self, text: str) -> bool:
         """True when ``text`` satisfies the constraint (the kit's check; for JSON schema it
-        parses ``text`` and validates it with jsonschema)."""
+        parses ``text`` and validates it with jsonschema; for EBNF it runs xgrammar's matcher, which
+        both engines install)."""
         if self.kind is StructuredKind.CHOICE:
             return text in self.value
+        if self.kind is StructuredKind.EBNF:
+            from xgrammar.testing import _is_grammar_accept_string  # type: ignore[import-not-found]
+
+            return bool(_is_grammar_accept_string(self.value, text))
         if self.kind is StructuredKind.REGEX:
             return re.fullmatch(self.value, text) is not None
         import jsonschema
@@ -158,6 +176,18 @@ def check_regex(pattern: Any) -> str:
     return pattern
 
 
+def check_ebnf(grammar: Any) -> str:
+    """Raise InvalidRequest naming ``structured.ebnf`` unless ``grammar`` is a non-empty string
+    that defines the rule ``root`` (where generation starts). The rest is checked by the engine's
+    grammar compiler."""
+    field = f"{FIELD}.ebnf"
+    if not isinstance(grammar, str) or not grammar.strip():
+        raise InvalidRequest(field, f"must be a non-empty EBNF grammar string, got {grammar!r}")
+    if re.search(r"(?m)^\s*root\s*::=", grammar) is None:
+        raise InvalidRequest(field, 'must define the rule \'root\' (e.g. root ::= "yes" | "no")')
+    return grammar
+
+
 def check_choices(options: Any) -> tuple[str, ...]:
     """Raise InvalidRequest naming ``structured.choice`` unless ``options`` is a non-empty
     sequence of distinct non-empty strings."""
@@ -177,12 +207,12 @@ def check_choices(options: Any) -> tuple[str, ...]:
 
 def to_structured(value: Any) -> StructuredOutput | None:
     """Converter for ``SamplingParams.structured``: None, a StructuredOutput, or a one-key
-    mapping ``{"json_schema" | "regex" | "choice": value}``."""
+    mapping ``{"json_schema" | "regex" | "choice" | "ebnf": value}``."""
     if value is None or isinstance(value, StructuredOutput):
         return value
     if isinstance(value, Mapping) and len(value) == 1:
         ((kind, inner),) = value.items()
         return StructuredOutput(kind, inner)
     raise InvalidRequest(
-        FIELD, f"must be a StructuredOutput or one of {{'json_schema'|'regex'|'choice': ...}}, got {value!r}"
+        FIELD, f"must be a StructuredOutput or one of {{'json_schema'|'regex'|'choice'|'ebnf': ...}}, got {value!r}"
     )

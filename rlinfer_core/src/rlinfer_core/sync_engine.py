@@ -133,6 +133,7 @@ class Engine(SyncTwin):
     # --- generation and control ------------------------------------------------------------------
 
     generate = blocking(AsyncEngine.generate)
+    generate_over_sampled = blocking(AsyncEngine.generate_over_sampled)
     stream = iterating(AsyncEngine.stream)
     abort = blocking(AsyncEngine.abort)
     pause = blocking(AsyncEngine.pause)

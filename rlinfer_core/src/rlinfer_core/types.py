@@ -126,6 +126,10 @@ class GenerateRequest:
     tool_parser: str | None = attrs.field(default=None, validator=lambda _i, _a, value: check_parser(value))
     #: generate with this loaded LoRA adapter (capability lora); None: the base weights
     lora: str | None = attrs.field(default=None, validator=_check_lora_name)
+    #: scheduling priority, lower served first (vLLM's order; rlinfer flips it for SGLang): where
+    #: the engine queues requests, a lower value is admitted (and may preempt) first. Any value
+    #: but 0 needs capability generate.priority (an engine started with priority scheduling)
+    priority: int = attrs.field(default=0, validator=v.in_range(-(2**31), 2**31 - 1, integer=True))
 
     def __attrs_post_init__(self) -> None:
         if (self.prompt_token_ids is None) == (self.messages is None):
@@ -272,6 +276,10 @@ class EngineConfig:
     #: start the engine able to return routed experts (SamplingParams.return_routed_experts) for an
     #: MoE model; refused where Capability.GENERATE_ROUTED_EXPERTS is not supported
     enable_routed_experts: bool = False
+    #: start the engine's priority scheduler (vLLM scheduling_policy="priority", SGLang
+    #: --enable-priority-scheduling), so that GenerateRequest.priority is honoured (capability
+    #: generate.priority); off, the engines queue first come, first served and refuse priorities
+    priority_scheduling: bool = attrs.field(default=False, validator=v.instance_of(bool, "true or false"))
     #: read every update back (engine checksums vs the trainer's, where weights.checksum is
     #: claimed); a difference raises WeightVerificationError (see docs/weights.md)
     verify_updates: bool = True

@@ -67,6 +67,15 @@ class DataPlane(ControlPlane):
         """
         return await self._generate(requests, session, None)
 
+    async def generate_over_sampled(
+        self, requests: GenerateRequest | Sequence[GenerateRequest], over_sample_rate: float
+    ) -> list[Completion]:
+        """:meth:`generate`, returning once ``ceil(over_sample_rate * len(requests))`` requests have
+        finished: the others are aborted (see :mod:`rlinfer_core.over_sample`)."""
+        from rlinfer_core.over_sample import generate_over_sampled
+
+        return await generate_over_sampled(self, requests, over_sample_rate, self._caps(), self._check_request)
+
     async def _generate(
         self,
         requests: GenerateRequest | Sequence[GenerateRequest],

@@ -66,6 +66,7 @@ class SyncEnginePool(Engine):
     replica_states = delegated(EnginePool.replica_states)
     wait_ready = blocking(EnginePool.wait_ready)
     generate = blocking(EnginePool.generate)
+    generate_over_sampled = blocking(EnginePool.generate_over_sampled)
     stream = iterating(EnginePool.stream)
     session = converted(EnginePool.session, Session)
     bench_generate_on = blocking(EnginePool.bench_generate_on)

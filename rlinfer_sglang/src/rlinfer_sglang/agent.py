@@ -59,6 +59,8 @@ def structured_params(constraint: StructuredOutput | None) -> dict[str, Any]:
         return {"json_schema": constraint.schema_json}
     if constraint.kind is StructuredKind.REGEX:
         return {"regex": constraint.value}
+    if constraint.kind is StructuredKind.EBNF:
+        return {"ebnf": constraint.value}
     return {"regex": "(" + "|".join(escape(c) for c in constraint.value) + ")"}
 
 

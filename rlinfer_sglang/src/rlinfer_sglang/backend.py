@@ -33,10 +33,12 @@ from rlinfer_core.types import (
 from rlinfer_core.weights import (
     TensorSpec,
 )
+from rlinfer_sglang import convert
 from rlinfer_sglang.agent import AgentHooks
 from rlinfer_sglang.capabilities import (
     OVERLAP_NOTE,
     PAUSE_KEEP_OLD_SGLANG_NOTE,
+    PRIORITY_OFF_NOTE,
     ROUTES_OFF_NOTE,
     capabilities,
     installed_platform,
@@ -113,6 +115,7 @@ class SGLangBackend(Supervision, Generation, Memory, AgentHooks):
         self._quit_guard = ""
         self.start_seconds: float | None = None
         self._versions = TokenVersions()
+        self._priority_sign = None  # set at start, from SGLang's server args
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -123,6 +126,7 @@ class SGLangBackend(Supervision, Generation, Memory, AgentHooks):
         await self._launch(config)
         self._info = self._model_info()
         self._specs = self._weight_specs()
+        self._priority_sign = convert.priority_sign(getattr(self._tm, "server_args", None))
         self._caps = self._runtime_capabilities()
         self.start_seconds = time.perf_counter() - started
 
@@ -180,6 +184,8 @@ class SGLangBackend(Supervision, Generation, Memory, AgentHooks):
             off[Capability.SAMPLING_PENALTIES] = OVERLAP_NOTE
         if flush_needs_idle():
             off[Capability.PAUSE_KEEP] = PAUSE_KEEP_OLD_SGLANG_NOTE
+        if self._priority_sign is None:
+            off[Capability.PRIORITY] = PRIORITY_OFF_NOTE
         if not getattr(getattr(self._tm, "server_args", None), "enable_return_routed_experts", False):
             off[Capability.GENERATE_ROUTED_EXPERTS] = (
                 "the model has no routed experts (or no local config.json)"

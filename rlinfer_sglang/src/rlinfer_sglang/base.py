@@ -51,6 +51,8 @@ class BackendBase:
     _signals: dict[int, Any]
     _quit_guard: str
     start_seconds: float | None
+    #: rlinfer priority -> SGLang's (rlinfer_sglang.convert.priority_sign); None: no priority scheduling
+    _priority_sign: int | None = None
     _group_name: str = ""
     _processor_str: str = ""
     _scoring: int = 0  #: raw-logprob scoring prefills in flight

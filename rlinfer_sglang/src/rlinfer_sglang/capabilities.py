@@ -43,12 +43,14 @@ COMMON: frozenset[Capability] = frozenset(
         Capability.PREFIX_CACHE_RESET,
         Capability.BENCH,
         Capability.TOOLS,  # rlinfer_sglang.agent: SGLang's FunctionCallParser, pure Python
+        Capability.STOP_REGEX,  # SGLang's stop_regex: Python re over the decoded tail, in the scheduler
+        Capability.PRIORITY,  # dropped at start unless the engine runs priority scheduling
     }
 )
 
 #: verified on CPU (rlinfer_sglang.agent); on CUDA SGLang applies the grammar mask with its
 #: triton kernel instead of xgrammar's CPU one (not verified yet)
-AGENT_CPU: frozenset[Capability] = frozenset({Capability.STRUCTURED})
+AGENT_CPU: frozenset[Capability] = frozenset({Capability.STRUCTURED, Capability.GRAMMAR_EBNF})
 
 AGENT_NOTES = {
     Capability.TOOLS.value: (
@@ -59,7 +61,22 @@ AGENT_NOTES = {
         "SGLang's json_schema / regex sampling params (choice as a regex) through its xgrammar "
         "backend; processed logprobs include the grammar mask; JSON is generated compact"
     ),
+    Capability.GRAMMAR_EBNF.value: "SGLang's ebnf sampling param through its xgrammar backend (GBNF dialect)",
+    Capability.STOP_REGEX.value: (
+        "SGLang's stop_regex (Python re.search over the decoded output tail each step); rlinfer cuts "
+        "Completion.text at the match"
+    ),
+    Capability.PRIORITY.value: (
+        "SGLang's priority scheduling (--enable-priority-scheduling; rlinfer's lower-first values are "
+        "negated for SGLang's default higher-first order); higher priorities may preempt running requests"
+    ),
 }
+
+#: why generate.priority is not claimed by an engine started without priority scheduling
+PRIORITY_OFF_NOTE = (
+    "the engine was started without priority scheduling (SGLang aborts a request that names a priority "
+    "then); open it with EngineConfig(priority_scheduling=True)"
+)
 
 #: verified against an HF fp32 oracle on CPU (1e-5); on CUDA the sampler takes other kernels
 #: (flashinfer), not verified yet

@@ -210,6 +210,8 @@ def server_args(config: EngineConfig, platform: Platform) -> dict[str, Any]:
         args["disable_cuda_graph"] = True
     if config.deterministic:
         args["enable_deterministic_inference"] = True
+    if config.priority_scheduling:
+        args["enable_priority_scheduling"] = True
     if platform == "cpu":
         args.update(
             attention_backend="torch_native",

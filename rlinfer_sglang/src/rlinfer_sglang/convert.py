@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
@@ -38,6 +39,10 @@ def sampling_params(
         params["stop_token_ids"] = list(s.stop_token_ids)
     if s.stop:
         params["stop"] = list(s.stop)
+    if s.stop_regex:
+        params["stop_regex"] = list(s.stop_regex)
+    if s.include_stop_str_in_output:
+        params["no_stop_trim"] = True
     if s.min_p > 0.0:
         params["min_p"] = s.min_p
     if renormalises(request) and vocab_size:
@@ -48,6 +53,48 @@ def sampling_params(
         params["custom_params"] = custom
     params.update(structured_params(s.structured))
     return params
+
+
+def priority_sign(args: Any) -> int | None:
+    """How rlinfer's priorities (lower first) map onto an SGLang engine's: 1 when it schedules low
+    values first, -1 when high values first (SGLang's default), None when it runs without priority
+    scheduling. ``args``: its ServerArgs, or the ``/server_info`` dict."""
+
+    def get(key: str) -> Any:
+        return args.get(key) if isinstance(args, Mapping) else getattr(args, key, None)
+
+    if not get("enable_priority_scheduling"):
+        return None
+    return 1 if get("schedule_low_priority_values_first") else -1
+
+
+def priority_arg(request: GenerateRequest, sign: int | None) -> dict[str, Any]:
+    """``GenerateReqInput``'s ``priority`` for ``request`` ({} without priority scheduling, where
+    SGLang aborts a request that names one). Sent for every request where it is on: SGLang puts a
+    request without one behind all others."""
+    return {} if sign is None else {"priority": sign * request.priority}
+
+
+def priority_groups(requests: Sequence[GenerateRequest]) -> list[list[int]]:
+    """Indices of ``requests`` grouped by priority, in order of first appearance (a batched SGLang
+    call carries one priority for all its items)."""
+    groups: dict[int, list[int]] = {}
+    for k, request in enumerate(requests):
+        groups.setdefault(request.priority, []).append(k)
+    return list(groups.values())
+
+
+def stop_text(request: GenerateRequest, text: str | None, stop_reason: int | str | None) -> str | None:
+    """``text`` cut at the stop_regex match that ended it (kept with include_stop_str_in_output):
+    SGLang trims stop strings itself but leaves a regex match (and what the last token adds after
+    it) in the text."""
+    s = request.sampling
+    if text is None or not isinstance(stop_reason, str) or stop_reason not in s.stop_regex:
+        return text
+    match = re.search(stop_reason, text)
+    if match is None:
+        return text
+    return text[: match.end()] if s.include_stop_str_in_output else text[: match.start()]
 
 
 def custom_params(request: GenerateRequest) -> dict[str, Any]:
@@ -144,7 +191,7 @@ def finish(meta: Mapping[str, Any], request: GenerateRequest) -> tuple[FinishRea
     s = request.sampling
     stop_reason: int | str | None = None
     if reason is FinishReason.STOP and matched is not None:
-        is_stop_string = isinstance(matched, str) and matched in s.stop
+        is_stop_string = isinstance(matched, str) and (matched in s.stop or matched in s.stop_regex)
         is_stop_id = isinstance(matched, int) and matched in s.stop_token_ids
         if is_stop_string or is_stop_id:
             stop_reason = matched
@@ -213,7 +260,7 @@ def completion(
         top_logprobs=top,
         prompt_logprobs=prompt_lps,
         prompt_top_logprobs=prompt_top,
-        text=out.get("text"),
+        text=stop_text(request, out.get("text"), stop_reason),
         latency_s=latency,
     )
 

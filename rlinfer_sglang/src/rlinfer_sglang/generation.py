@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import attrs
@@ -89,12 +89,24 @@ class Generation(InFlight):
             self._versions.forget(rid)
         return await convert.with_raw_logprobs(samples, completions, self._raw_logprobs)
 
-    def _tm_generate_batch(self, samples: list[tuple[GenerateRequest, int, list[int]]], rids: list[str]) -> Any:
+    async def _tm_generate_batch(
+        self, samples: list[tuple[GenerateRequest, int, list[int]]], rids: list[str]
+    ) -> list[Any]:
         from sglang.srt.managers.io_struct import GenerateReqInput
 
         if len(samples) == 1:
             (request, _, ids), rid = samples[0], rids[0]
-            return self._wrap_one(self._tm_generate(ids, self._params(request, ids), rid, request))
+            return [await self._tm_generate(ids, self._params(request, ids), rid, request)]
+        groups = convert.priority_groups([r for r, _, _ in samples])
+        if len(groups) > 1:  # one priority per batched call: a call per priority, concurrently
+            parts = await asyncio.gather(
+                *(self._tm_generate_batch([samples[k] for k in g], [rids[k] for k in g]) for g in groups)
+            )
+            out: list[Any] = [None] * len(samples)
+            for group, part in zip(groups, parts, strict=True):
+                for k, item in zip(group, part, strict=True):
+                    out[k] = item
+            return out
         args = [convert.logprob_args(r, self._processor()) for r, _, _ in samples]
         obj = GenerateReqInput(
             input_ids=[ids for _, _, ids in samples],
@@ -103,8 +115,10 @@ class Generation(InFlight):
             # one flag for the whole batch in SGLang; routes are kept only where asked
             return_routed_experts=any(r.sampling.return_routed_experts for r, _, _ in samples),
             **{key: [a[key] for a in args] for key in args[0]},
+            **convert.priority_arg(samples[0][0], self._priority_sign),
         )
-        return self._tm.generate_request(obj, None).__anext__()
+        result: list[Any] = await self._tm.generate_request(obj, None).__anext__()
+        return result
 
     async def _raw_logprobs(
         self, prompt: list[int], tokens: list[int], start: int, top: int
@@ -166,10 +180,6 @@ class Generation(InFlight):
             self._processor_str = serialized()
         return self._processor_str
 
-    @staticmethod
-    async def _wrap_one(awaitable: Awaitable[Any]) -> list[Any]:
-        return [await awaitable]
-
     def _tm_generate(
         self, ids: list[int], params: dict[str, Any], rid: str, request: GenerateRequest, stream: bool = False
     ) -> Any:
@@ -182,6 +192,7 @@ class Generation(InFlight):
             stream=stream,
             return_routed_experts=request.sampling.return_routed_experts,
             **convert.logprob_args(request, self._processor()),
+            **convert.priority_arg(request, self._priority_sign),
         )
         generator = self._tm.generate_request(obj, None)
         return generator if stream else generator.__anext__()

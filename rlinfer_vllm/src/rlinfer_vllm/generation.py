@@ -64,7 +64,9 @@ class Generation(RawLogprobs):
             try:
                 async with self._gate.enter(request.request_id) as entry:
                     if entry.admitted:
-                        async for out in llm.generate(tokens_input(ids), params, request.request_id, lora_request=lora):
+                        async for out in llm.generate(
+                            tokens_input(ids), params, request.request_id, lora_request=lora, priority=request.priority
+                        ):
                             last = out
             except Exception as exc:
                 raise self._translate(exc) from exc
@@ -109,7 +111,9 @@ class Generation(RawLogprobs):
                             request.request_id, index, (), (), FinishReason.ABORT, None, versions.version, ()
                         )
                     return
-                async for out in llm.generate(tokens_input(ids), params, request.request_id, lora_request=lora):
+                async for out in llm.generate(
+                    tokens_input(ids), params, request.request_id, lora_request=lora, priority=request.priority
+                ):
                     if out.finished:  # ended in the engine; the consumer may read it later
                         self._inflight.discard(request.request_id)
                         entry.done()

@@ -228,6 +228,7 @@ class RLInferWorkerExtension:
             "tensor_parallel_size": int(config.parallel_config.tensor_parallel_size),
             "device": str(config.device_config.device_type),
             "chat_template": chat_template,
+            "scheduling_policy": str(config.scheduler_config.policy),
         }
 
     # --- transports ---------------------------------------------------------------------------

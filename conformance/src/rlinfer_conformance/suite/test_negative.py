@@ -87,6 +87,9 @@ PROBES: dict[Capability, Callable[[KitWorld], Any]] = {
     Capability.SCORE: lambda w: w.engine.score([ScoreRequest([1, 2], [3])]),
     Capability.TOOLS: lambda w: w.engine.generate([GenerateRequest(prompt_token_ids=[1, 2], tool_parser="hermes")]),
     Capability.STRUCTURED: _gen(structured={"choice": ["a", "b"]}),
+    Capability.STOP_REGEX: _gen(stop_regex=("x+",)),
+    Capability.GRAMMAR_EBNF: _gen(structured={"ebnf": 'root ::= "a"'}),
+    Capability.PRIORITY: lambda w: w.engine.generate([GenerateRequest(prompt_token_ids=[1, 2], priority=1)]),
     Capability.LORA: lambda w: w.engine.list_loras(),
 }
 

@@ -86,6 +86,7 @@ class SGLangServerBackend(ServerMemory, Generation, AgentHooks):
         self._background = set()
         self._begin_end = True
         self._flush_needs_idle = False
+        self._priority_sign = None  # set at start, from /server_info
         self._dead_pids: list[int] = []
         self._procs_checked_at = 0.0
         self.start_seconds: float | None = None
@@ -156,6 +157,9 @@ class SGLangServerBackend(ServerMemory, Generation, AgentHooks):
         if not ok:
             raise BackendLoadError(f"the SGLang server refused its weight-version label: {message}")
         self._begin_end = await has_begin_end(http)
+        from rlinfer_sglang.convert import priority_sign
+
+        self._priority_sign = priority_sign(info)
         self._flush_needs_idle = not self._begin_end
         chat = getattr(self._tokenizer, "chat_template", None) is not None
         from rlinfer_sglang.backend import _amx_repacks

@@ -31,6 +31,8 @@ class ServerBase:
     _specs: dict[str, TensorSpec]
     _tp_size: int
     _tokenizer: Any
+    #: rlinfer priority -> SGLang's (rlinfer_sglang.convert.priority_sign); None: no priority scheduling
+    _priority_sign: int | None
     #: rlinfer request id -> SGLang rids of its samples now in flight
     _rids: dict[str, set[str]]
     _aborted: set[str]

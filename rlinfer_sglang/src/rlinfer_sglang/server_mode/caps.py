@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 import attrs
 
 from rlinfer_core.types import Capabilities, Capability
-from rlinfer_sglang.capabilities import OVERLAP_NOTE, PAUSE_KEEP_OLD_SGLANG_NOTE
+from rlinfer_sglang.capabilities import OVERLAP_NOTE, PAUSE_KEEP_OLD_SGLANG_NOTE, PRIORITY_OFF_NOTE
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -58,6 +58,8 @@ def server_capabilities(
         drop[Capability.WEIGHTS_CHECKSUM] = (
             "sgl-kernel's CPU ops are installed: SGLang repacks linear weights for AMX after loading"
         )
+    if not info.get("enable_priority_scheduling", False):
+        drop[Capability.PRIORITY] = PRIORITY_OFF_NOTE
     if not info.get("disable_overlap_schedule", False):
         drop[Capability.SAMPLING_PENALTIES] = OVERLAP_NOTE
     host = urlsplit(url).hostname or ""

@@ -43,13 +43,18 @@ def sample_body(
     }
 
 
+#: fields a batched body carries once for all its samples (callers batch one priority at a time)
+BATCH_SCALARS = ("stream", "priority")
+
+
 def batch_body(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One ``/generate`` body for several samples (SGLang's batched form: a list per field), so
     the scheduler sees the whole batch at once, as in-process."""
     if len(samples) == 1:
         return dict(samples[0])
-    keys = [k for k in samples[0] if k != "stream"]
-    return {**{k: [s[k] for s in samples] for k in keys}, "stream": False}
+    keys = [k for k in samples[0] if k not in BATCH_SCALARS]
+    scalars = {k: samples[0][k] for k in BATCH_SCALARS if k in samples[0]}
+    return {**{k: [s[k] for s in samples] for k in keys}, **scalars, "stream": False}
 
 
 def score_body(prompt: Sequence[int], tokens: Sequence[int], start: int, top: int, rid: str) -> dict[str, Any]:

@@ -60,7 +60,8 @@ class Generation(InFlight):
         return convert.sampling_params(request, len(ids), self._max_len(), self._info.vocab_size)
 
     def _body(self, request: GenerateRequest, ids: list[int], rid: str, stream: bool) -> dict[str, Any]:
-        return wire.sample_body(request, ids, self._params(request, ids), rid, self._processor(), stream)
+        body = wire.sample_body(request, ids, self._params(request, ids), rid, self._processor(), stream)
+        return {**body, **convert.priority_arg(request, self._priority_sign)}
 
     @hookimpl
     async def rlinfer_generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:
@@ -77,11 +78,20 @@ class Generation(InFlight):
         live = [k for k, rid in enumerate(rids) if rid]
         outs: dict[int, Any] = {}
         try:
-            if live:
-                body = wire.batch_body([self._body(samples[k][0], samples[k][2], rids[k], False) for k in live])
-                answer = await http.post("/generate", body)
+            # one priority per batched body: a body per priority, concurrently
+            batches = [[live[j] for j in group] for group in convert.priority_groups([samples[k][0] for k in live])]
+            answers = await asyncio.gather(
+                *(
+                    http.post(
+                        "/generate",
+                        wire.batch_body([self._body(samples[k][0], samples[k][2], rids[k], False) for k in batch]),
+                    )
+                    for batch in batches
+                )
+            )
+            for batch, answer in zip(batches, answers, strict=True):
                 results = answer if isinstance(answer, list) else [answer]
-                outs = dict(zip(live, results, strict=True))
+                outs.update(zip(batch, results, strict=True))
         except asyncio.CancelledError:
             self._abort_later([rids[k] for k in live])
             raise

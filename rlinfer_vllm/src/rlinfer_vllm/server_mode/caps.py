@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 import attrs
 
 from rlinfer_core.types import Capabilities, Capability
+from rlinfer_vllm.capabilities import PRIORITY_OFF_NOTE
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -31,6 +32,8 @@ def server_capabilities(base: Capabilities, facts: Mapping[str, Any], url: str, 
     drop: dict[Capability, str] = {}
     if facts["quantized"] or facts["tensor_parallel_size"] != 1:
         drop[Capability.WEIGHTS_CHECKSUM] = "needs an unquantized model and tensor_parallel_size=1"
+    if facts.get("scheduling_policy") != "priority":
+        drop[Capability.PRIORITY] = PRIORITY_OFF_NOTE
     if not facts["chat_template"]:
         drop[Capability.CHAT] = "the model's tokenizer has no chat template"
     host = urlsplit(url).hostname or ""

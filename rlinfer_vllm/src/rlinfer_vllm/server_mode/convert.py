@@ -66,6 +66,7 @@ def sampling(request: GenerateRequest, prompt_len: int, max_model_len: int) -> d
     }
     if s.stop:
         params["stop"] = list(s.stop)
+        params["include_stop_str_in_output"] = s.include_stop_str_in_output
     else:
         # ids only: the server's output processor then skips its per-token detokenization (and
         # the decoding of every logprob's token), which costs more than the rest of the answer
@@ -89,6 +90,7 @@ def body(request: GenerateRequest, prompt_ids: Sequence[int], max_model_len: int
         "sampling_params": sampling(request, len(prompt_ids), max_model_len),
         "stream": stream,
         "output_mode": "tokens",
+        "priority": request.priority,
     }
 
 
