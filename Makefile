@@ -121,7 +121,7 @@ test-server: env-vllm
 test-wheels:
 	PYTHON=$(PYTHON) bash dev/envs/test_wheels.sh
 
-test: lint typecheck test-core test-wheels test-vllm test-vllm-server-ci test-sglang test-sglang-server-ci test-sglang-tp2 test-vllm-tp2 test-ray test-server test-dialects
+test: lint typecheck test-core test-wheels test-vllm test-vllm-server-ci test-sglang test-sglang-server-ci test-sglang-tp2 test-vllm-tp2 test-ray test-server test-dialects test-verl
 
 # slower checks, not in `make test`: the kit in vLLM server mode alone takes ~15-25 min on 2 shared cores
 thorough: test test-vllm-server test-sglang-server test-ray-sglang test-vllm-architectures test-sglang-architectures test-dialects-full test-dialects-pool test-server-sglang
@@ -148,6 +148,12 @@ test-dialects-full: env-vllm env-sglang
 # and vLLM's generate formats, the refusal without capture (three servers, ~3 min on 2 loaded cores)
 test-server-sglang: env-sglang
 	timeout 900 $(VENVS)/sglang/bin/python -m pytest tests/dialects/test_routed_experts.py -q -p no:cacheprovider
+
+# rlinfer as a verl rollout (rlinfer_verl, docs/verl.md): `import verl` discovers the plugin; verl's
+# replica, the server actor and the trainer's adapter over a real vLLM CPU engine on a local Ray
+# (~1 min, plus ~2 min for a fresh env-verl)
+test-verl: env-verl
+	$(RAY_STOP) timeout 900 $(VENVS)/verl/bin/python -m pytest tests/verl -q -p no:cacheprovider
 
 clean-envs:
 	rm -rf $(VENVS)

@@ -13,7 +13,7 @@ tools="$root/.venvs/build-tools"   # build + hatchling, reused between runs
 pip_flags=(--quiet --disable-pip-version-check)
 
 dists=()
-for d in rlinfer_core rlinfer_vllm rlinfer_sglang conformance rlinfer_demo rlinfer_ray rlinfer_server; do
+for d in rlinfer_core rlinfer_vllm rlinfer_sglang conformance rlinfer_demo rlinfer_ray rlinfer_server rlinfer_verl; do
   [[ -f "$root/$d/pyproject.toml" ]] && dists+=("$d")
 done
 

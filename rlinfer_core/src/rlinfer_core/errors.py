@@ -5,9 +5,23 @@ Every message says what was wrong and what to do about it.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class RLInferError(Exception):
-    """Base class of every error rlinfer raises on purpose."""
+    """Base class of every error rlinfer raises on purpose. Pickles whole (type, message and
+    attributes), so it crosses process boundaries such as Ray actor calls as itself."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # each subclass has its own __init__ arguments: rebuild without calling it
+        return _rebuild, (type(self), self.args, dict(self.__dict__))
+
+
+def _rebuild(cls: type[RLInferError], args: tuple[Any, ...], state: dict[str, Any]) -> RLInferError:
+    exc = cls.__new__(cls)
+    Exception.__init__(exc, *args)
+    exc.__dict__.update(state)
+    return exc
 
 
 class BackendNotFound(RLInferError, LookupError):

@@ -37,7 +37,7 @@ from rlinfer_core.tools import TOOL_PARSERS, ToolSpec, to_tools
 TruncateSide = Literal["left", "right", "middle"]
 DEFAULT_MAX_ASSISTANT_TURNS = 5
 
-#: every key of verl's MultiTurnConfig (verl 0.8: verl/workers/config/rollout.py)
+#: every key of verl's MultiTurnConfig (verl 0.8 and 0.9: verl/workers/config/rollout.py)
 VERL_MULTI_TURN_KEYS = frozenset(
     {
         "_target_",
@@ -53,6 +53,7 @@ VERL_MULTI_TURN_KEYS = frozenset(
         "tokenization_sanity_check_mode",
         "format",
         "num_repeat_rollouts",
+        "function_tool_path",  # verl 0.9
     }
 )
 #: rlinfer's own keys in the same section (verl has no tool timeout nor a bound on tools in flight)
@@ -287,6 +288,11 @@ class ToolLoopConfig:
         if interaction is not None:
             raise InvalidRequest(
                 "multi_turn.interaction_config_path", "only null: simulated-user interactions are not implemented"
+            )
+        if section.get("function_tool_path") is not None:
+            raise InvalidRequest(
+                "multi_turn.function_tool_path",
+                "only null: verl's Python-function tools are not loaded by rlinfer; give the tools in tool_config_path",
             )
         fields: dict[str, Any] = {}
         for key, field in VERL_FIELDS.items():
