@@ -135,7 +135,7 @@ def _schema_argument(cls: type, schema: dict[str, Any]) -> Any:
     """The tool schema as ``cls`` takes it: verl's pydantic OpenAIFunctionToolSchema for verl's own
     tool classes (they read ``tool_schema.function.name``), the OpenAI mapping otherwise."""
     if any(klass.__module__.split(".")[0] == "verl" for klass in cls.__mro__):
-        from verl.tools.schemas import OpenAIFunctionToolSchema  # type: ignore[import-not-found]
+        from verl.tools.schemas import OpenAIFunctionToolSchema
 
         return OpenAIFunctionToolSchema.model_validate(schema)
     return schema
