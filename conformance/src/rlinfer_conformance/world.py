@@ -85,11 +85,12 @@ class EventRecorder:
         self.events.append(("rlinfer_on_engine_shutdown", {}))
 
 
-def make_models(tmp: Path, architecture: str) -> tuple[Path, Path]:
-    """The kit's two tiny models of ``architecture``: seed 0 (served at start) and seed 1."""
+def make_models(tmp: Path, architecture: str, spec_fields: Mapping[str, Any] | None = None) -> tuple[Path, Path]:
+    """The kit's two tiny models of ``architecture``: seed 0 (served at start) and seed 1
+    (``spec_fields``: other TinyModelSpec fields, e.g. a longer ``max_position_embeddings``)."""
     from rlinfer_core.tiny_model import TinyModelSpec, make_tiny_model
 
-    spec = TinyModelSpec(architecture=architecture)
+    spec = TinyModelSpec(architecture=architecture, **(spec_fields or {}))
     base = make_tiny_model(tmp / f"{architecture}-seed0", seed=0, spec=spec)
     return base, make_tiny_model(tmp / f"{architecture}-seed1", seed=1, spec=spec)
 
@@ -132,14 +133,21 @@ def default_config(model_dir: Path, overrides: Mapping[str, Any]) -> EngineConfi
 
 @contextlib.contextmanager
 def own_world(
-    backend: str, overrides: Mapping[str, Any], report: KitReport, tmp: Path, architecture: str, label: str, why: str
+    backend: str,
+    overrides: Mapping[str, Any],
+    report: KitReport,
+    tmp: Path,
+    architecture: str,
+    label: str,
+    why: str,
+    spec_fields: Mapping[str, Any] | None = None,
 ) -> Iterator[KitWorld]:
     """An engine of its own (the kit's config with ``overrides``) on the two tiny models of
-    ``architecture``, with their oracle; shut down on exit. ``label`` and ``why``: see
-    :func:`open_or_skip`."""
+    ``architecture`` (``spec_fields``: see :func:`make_models`), with their oracle; shut down on
+    exit. ``label`` and ``why``: see :func:`open_or_skip`."""
     from rlinfer_conformance.oracle import tie_band
 
-    base_dir, other_dir = make_models(tmp, architecture)
+    base_dir, other_dir = make_models(tmp, architecture, spec_fields)
     config = default_config(base_dir, overrides)
     oracle = Oracle(weight_dtype=config.dtype, tie_tolerance=tie_band(LOGPROB_TOLERANCE))
     oracle.add(BASE, base_dir)

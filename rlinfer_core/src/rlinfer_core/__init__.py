@@ -10,6 +10,7 @@ from rlinfer_core.errors import (
     BackendLoadError,
     BackendNotFound,
     EngineDead,
+    EngineOutOfMemory,
     EngineTimeout,
     InvalidRequest,
     RLInferError,
@@ -19,6 +20,7 @@ from rlinfer_core.errors import (
 )
 from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.model_info import ModelInfo
+from rlinfer_core.oom_retry import OutOfMemoryRetry
 from rlinfer_core.types import (
     Capabilities,
     Capability,
@@ -67,6 +69,7 @@ __all__ = [
     "Engine",
     "EngineConfig",
     "EngineDead",
+    "EngineOutOfMemory",
     "EngineTimeout",
     "FinishReason",
     "GenerateRequest",
@@ -75,6 +78,7 @@ __all__ = [
     "ManifestEntry",
     "MemoryTag",
     "ModelInfo",
+    "OutOfMemoryRetry",
     "NamedTensors",
     "PauseMode",
     "RLInferError",

@@ -25,6 +25,7 @@ from rlinfer_core.discovery import get_backend, plugin_objects
 from rlinfer_core.engine_agent import EngineAgent
 from rlinfer_core.engine_weights import EngineWeights
 from rlinfer_core.errors import BackendLoadError, InvalidRequest
+from rlinfer_core.oom_retry import OutOfMemoryRetry, retrying_out_of_memory
 from rlinfer_core.preflight import (
     TRANSPORT_CAPABILITY,
     as_batch,
@@ -66,13 +67,15 @@ class AsyncEngine(EngineAgent, EngineWeights):
         *,
         plugins: Sequence[Any] = (),
         load_entry_point_plugins: bool = True,
+        oom_retry: OutOfMemoryRetry | None = None,
         **config_fields: Any,
     ) -> AsyncEngine:
         """Discover ``backend``, start its engine and return the facade.
 
         ``config`` or keyword fields of :class:`EngineConfig` (not both). Observer plugins from
         the ``rlinfer.plugins`` entry points are registered unless ``load_entry_point_plugins``
-        is False; ``plugins`` adds more.
+        is False; ``plugins`` adds more. ``oom_retry``: retry generate after a transient
+        EngineOutOfMemory (:mod:`rlinfer_core.oom_retry`; off by default).
         """
         if config is None:
             config = EngineConfig(**config_fields)
@@ -81,6 +84,8 @@ class AsyncEngine(EngineAgent, EngineWeights):
         info = get_backend(backend)
         extra = plugin_objects() if load_entry_point_plugins else []
         engine = cls(info, info.create(config), config, plugins, extra)
+        if oom_retry is not None:
+            engine._oom_retry = oom_retry
         if config.deterministic:  # refused before anything starts
             engine.capabilities.require(Capability.DETERMINISTIC)
         if config.enable_routed_experts:
@@ -145,11 +150,14 @@ class AsyncEngine(EngineAgent, EngineWeights):
             if ticket.aborted:  # aborted while waiting at the pause gate: the engine never saw it
                 completions = [aborted_at_gate(r, i) for r in batch for i in range(r.sampling.n)]
             else:
-                completions = await self._engine_call(
-                    lambda: self._backend.rlinfer_generate(batch),
-                    self.config.request_timeout_s,
-                    "generate",
-                    on_timeout=lambda: self._abort_quietly(ids),
+                completions = await retrying_out_of_memory(
+                    lambda: self._engine_call(
+                        lambda: self._backend.rlinfer_generate(batch),
+                        self.config.request_timeout_s,
+                        "generate",
+                        on_timeout=lambda: self._abort_quietly(ids),
+                    ),
+                    self._oom_retry,
                 )
         stamped = await attach_tool_calls(self, batch, [self._stamp(c) for c in completions])
         self._observers.emit(

@@ -30,6 +30,7 @@ from rlinfer_core.discovery import BackendInfo
 from rlinfer_core.errors import EngineDead, EngineTimeout, RLInferError
 from rlinfer_core.model_info import ModelInfo
 from rlinfer_core.observers import Observers
+from rlinfer_core.oom_retry import OutOfMemoryRetry
 from rlinfer_core.preflight import check_config_limits, validate_request
 from rlinfer_core.types import Capabilities, EngineConfig, GenerateRequest, MemoryTag
 from rlinfer_core.weights import TensorSpec
@@ -68,6 +69,8 @@ class EngineBase:
         self._bench_impl = backend if isinstance(backend, BenchBackend) else None
         self._observers = Observers(plugins, entry_point_plugins)
         self._admission = Admission()
+        #: retry generate after a transient EngineOutOfMemory (off unless ``open(oom_retry=...)``)
+        self._oom_retry = OutOfMemoryRetry()
         self._version = 0
         self._released: set[MemoryTag] = set()
         self._weight_lock = asyncio.Lock()

@@ -108,3 +108,29 @@ class EngineDead(RLInferError):
 
 class EngineTimeout(RLInferError, TimeoutError):
     """An operation did not finish within its timeout (``EngineConfig.request_timeout_s``)."""
+
+
+class EngineOutOfMemory(RLInferError):
+    """A request cannot get the KV-cache room it needs; the engine keeps serving, no other
+    request is affected, and the refused request ran nowhere (no partial tokens).
+
+    ``transient`` False: the request can never fit this engine's KV cache, even alone
+    (``needed_tokens`` > ``capacity_tokens``, read from the engine); shorten it or start the
+    engine with a larger ``kv_cache_memory_bytes``. True: it could fit an emptier cache; the
+    engine turned it away under pressure from other requests, and a later retry may pass
+    (``rlinfer_core.oom_retry.OutOfMemoryRetry`` retries these, off by default).
+    An engine that itself died of memory raises :class:`EngineDead` instead.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        transient: bool,
+        needed_tokens: int | None = None,
+        capacity_tokens: int | None = None,
+    ) -> None:
+        self.transient = transient
+        self.needed_tokens = needed_tokens
+        self.capacity_tokens = capacity_tokens
+        super().__init__(message)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, assert_never
 
-from rlinfer_core.errors import InvalidRequest, WeightUpdateError
+from rlinfer_core.errors import EngineOutOfMemory, InvalidRequest, WeightUpdateError
 from rlinfer_core.model_info import ModelInfo
 from rlinfer_core.structured import StructuredKind
 from rlinfer_core.types import (
@@ -146,6 +146,25 @@ def validate_request(
             "prompt_token_ids",
             f"prompt of {len(request.prompt_token_ids)} tokens must be shorter than "
             f"max_model_len ({info.max_model_len})",
+        )
+    check_kv_room(len(request.prompt_token_ids), sampling.max_tokens, info)
+
+
+def check_kv_room(prompt_tokens: int, max_tokens: int, info: ModelInfo) -> None:
+    """Raise a non-transient EngineOutOfMemory when a request of ``prompt_tokens`` asking for
+    ``max_tokens`` (capped at the context, where generation stops anyway) cannot fit the engine's
+    KV cache even alone (``info.kv_capacity_tokens``; nothing to check where it is None)."""
+    capacity = info.kv_capacity_tokens
+    needed = min(prompt_tokens + max_tokens, info.max_model_len)
+    if capacity is not None and needed > capacity:
+        raise EngineOutOfMemory(
+            f"a request of {prompt_tokens} prompt tokens and max_tokens={max_tokens} needs {needed} tokens of "
+            f"KV cache; this engine's KV cache holds at most {capacity} tokens for one request (below "
+            f"max_model_len {info.max_model_len}): shorten the request or start the engine with a larger "
+            "kv_cache_memory_bytes",
+            transient=False,
+            needed_tokens=needed,
+            capacity_tokens=capacity,
         )
 
 

@@ -11,6 +11,7 @@ from typing import Any, TypeVar, cast
 from rlinfer_core.engine import AsyncEngine
 from rlinfer_core.errors import EngineDead
 from rlinfer_core.model_info import ModelInfo
+from rlinfer_core.oom_retry import OutOfMemoryRetry
 from rlinfer_core.session import Session
 from rlinfer_core.sync_twin import (
     Delegated,
@@ -50,12 +51,18 @@ class Engine(SyncTwin):
         *,
         plugins: Sequence[Any] = (),
         load_entry_point_plugins: bool = True,
+        oom_retry: OutOfMemoryRetry | None = None,
         **config_fields: Any,
     ) -> Engine:
         """Start an engine on its own loop thread (see :meth:`AsyncEngine.open` for the arguments)."""
         return cls._open_on_loop(
             lambda: AsyncEngine.open(
-                backend, config, plugins=plugins, load_entry_point_plugins=load_entry_point_plugins, **config_fields
+                backend,
+                config,
+                plugins=plugins,
+                load_entry_point_plugins=load_entry_point_plugins,
+                oom_retry=oom_retry,
+                **config_fields,
             ),
             "rlinfer-engine-loop",
         )

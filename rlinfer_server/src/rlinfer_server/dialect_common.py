@@ -17,6 +17,7 @@ from fastapi import Request
 
 from rlinfer_core.errors import (
     EngineDead,
+    EngineOutOfMemory,
     EngineTimeout,
     InvalidRequest,
     RLInferError,
@@ -71,7 +72,8 @@ async def apply_update(state: ServerState, source: WeightSource, version: int | 
 def error_status(exc: BaseException) -> tuple[int, str]:
     """(HTTP status, rlinfer error type) of an error raised by a dialect's control route: engine
     servers answer 400 for a refused request or update; rlinfer keeps 409 for state conflicts,
-    501 for what this engine cannot do here, 503 for a dead engine and 504 for a missed deadline."""
+    501 for what this engine cannot do here, 503 for a dead engine and 504 for a missed deadline;
+    a request the KV cache cannot hold: 503 when transient, else 400 (see rlinfer_server.errors)."""
     if isinstance(exc, VersionConflict):
         return 409, "conflict"
     if isinstance(exc, InvalidRequest):
@@ -80,6 +82,8 @@ def error_status(exc: BaseException) -> tuple[int, str]:
         return 400, "weight_update_error"
     if isinstance(exc, UnsupportedCapability):
         return 501, "unsupported_capability"
+    if isinstance(exc, EngineOutOfMemory):
+        return (503 if exc.transient else 400), "engine_out_of_memory"
     if isinstance(exc, EngineTimeout):
         return 504, "engine_timeout"
     if isinstance(exc, EngineDead):

@@ -17,6 +17,7 @@ from rlinfer_core.errors import (
     BackendLoadError,
     BackendNotFound,
     EngineDead,
+    EngineOutOfMemory,
     EngineTimeout,
     InvalidRequest,
     RLInferError,
@@ -47,12 +48,16 @@ def status_of(exc: BaseException, control: bool = False) -> tuple[int, str, str 
         UnsupportedCapability is 400 on generation (the request asked for it) and 501 on control (the
         operation itself is unavailable here). WeightUpdateError is 422 when the update itself was
         invalid (the checkpoint, its tensors or the transport); the control routes answer 409 themselves
-    for state conflicts (a version not above the current one, released weights).
+    for state conflicts (a version not above the current one, released weights). EngineOutOfMemory
+    is 503 when transient (retry later, as SGLang answers a request retracted under KV pressure)
+    and 400 when the request can never fit the KV cache (as both engines answer an over-long prompt).
     """
     if isinstance(exc, InvalidRequest):
         return 400, "invalid_request_error", exc.field
     if isinstance(exc, UnsupportedCapability):
         return (501 if control else 400), "unsupported_capability", exc.capability
+    if isinstance(exc, EngineOutOfMemory):
+        return (503 if exc.transient else 400), "engine_out_of_memory", None
     if isinstance(exc, EngineTimeout):
         return 504, "engine_timeout", None
     if isinstance(exc, EngineDead):

@@ -47,6 +47,7 @@ from rlinfer_sglang.capabilities import (
 from rlinfer_sglang.config import resolve_platform
 from rlinfer_sglang.generation import Generation
 from rlinfer_sglang.memory import Memory
+from rlinfer_sglang.oom import kv_capacity_tokens
 from rlinfer_sglang.supervision import Supervision
 from rlinfer_sglang.versions import TokenVersions
 from rlinfer_sglang.weight_channel import flush_needs_idle
@@ -151,6 +152,7 @@ class SGLangBackend(Supervision, Generation, Memory, AgentHooks):
             max_model_len=max_len,
             eos_token_ids=tuple(eos),
             tied_weights={"lm_head.weight": "model.embed_tokens.weight"} if tied else {},
+            kv_capacity_tokens=kv_capacity_tokens(limit, max_len),
         )
 
     def _weight_specs(self) -> dict[str, TensorSpec]:

@@ -12,6 +12,7 @@ from rlinfer_core.model_info import ModelInfo
 from rlinfer_core.types import Capabilities, EngineConfig, MemoryTag
 from rlinfer_core.weights import TensorSpec
 from rlinfer_sglang.capabilities import Platform
+from rlinfer_sglang.oom import out_of_memory
 from rlinfer_sglang.versions import TokenVersions
 
 if TYPE_CHECKING:
@@ -96,6 +97,9 @@ class BackendBase:
     def _translate(self, exc: Exception) -> Exception:
         if self._dead is not None:
             return EngineDead(f"the SGLang engine died ({self._dead}): {exc}")
+        oom = out_of_memory(str(getattr(exc, "detail", None) or exc), self._info)
+        if oom is not None:  # a ValueError (HTTP 400) or fastapi's HTTPException (500, 503)
+            return oom
         if isinstance(exc, ValueError):
             return InvalidRequest("request", f"SGLang rejected it: {exc}")
         return exc

@@ -48,6 +48,8 @@ from typing import Any
 
 from rlinfer_core import parallel
 from rlinfer_core.errors import BackendLoadError, InvalidRequest
+from rlinfer_core.kv_budget import hf_text_config
+from rlinfer_core.kv_budget import kv_bytes_per_token as kv_bytes_per_token
 from rlinfer_core.routing import moe_shape
 from rlinfer_core.types import EngineConfig
 from rlinfer_sglang.capabilities import BACKEND, PARALLEL_UNSUPPORTED, Platform
@@ -64,7 +66,8 @@ CPU_DEFAULT_KV_CACHE_BYTES = 1 << 30
 #: context and rlinfer clips every request's output to max_model_len itself
 CONTEXT_RESERVE = 5
 
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+#: the model's config.json, its text part (rlinfer_core.kv_budget)
+_hf_config = hf_text_config
 
 
 def resolve_platform(config: EngineConfig, found: Platform) -> Platform:
@@ -74,35 +77,6 @@ def resolve_platform(config: EngineConfig, found: Platform) -> Platform:
     if config.device == "cuda" and found == "cpu":
         raise BackendLoadError("EngineConfig.device='cuda' but no NVIDIA GPU is visible to SGLang here")
     return config.device
-
-
-def _hf_config(model: str) -> dict[str, Any] | None:
-    path = Path(model) / "config.json"
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    text = data.get("text_config")
-    return text if isinstance(text, dict) else data
-
-
-def kv_bytes_per_token(model: str, dtype: str) -> int | None:
-    """KV-cache bytes one token takes in ``model`` (a local HF directory), or None if unknown."""
-    cfg = _hf_config(model)
-    if cfg is None:
-        return None
-    try:
-        layers = int(cfg["num_hidden_layers"])
-        heads = int(cfg["num_attention_heads"])
-        kv_heads = int(cfg.get("num_key_value_heads") or heads)
-        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
-    except (KeyError, TypeError, ValueError, ZeroDivisionError):
-        return None
-    if dtype == "auto":
-        dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
-    return 2 * layers * kv_heads * head_dim * _DTYPE_BYTES.get(dtype, 2)
 
 
 def needs_context_override(config: EngineConfig) -> bool:
@@ -142,8 +116,6 @@ UNSERVABLE_ARCHITECTURES: dict[Platform, dict[str, str]] = {
 
 def refuse_unservable_architecture(model: str, platform: Platform) -> None:
     """UnsupportedCapability (``generate``) for a model whose class SGLang cannot run here."""
-    import json
-    from pathlib import Path
 
     from rlinfer_core.errors import UnsupportedCapability
 

@@ -15,6 +15,7 @@ from rlinfer_core.chat_template import prompt_ids
 from rlinfer_core.errors import RLInferError
 from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.merge import merge
+from rlinfer_core.preflight import check_kv_room
 from rlinfer_core.routing import moe_shape
 from rlinfer_core.types import (
     Completion,
@@ -30,7 +31,11 @@ class Generation(InFlight):
     """``rlinfer_generate``, ``rlinfer_generate_stream`` and the raw-generate bench hook."""
 
     def _prompt_ids(self, request: GenerateRequest) -> list[int]:
-        return prompt_ids(getattr(self._tm, "tokenizer", None), request, self._max_len())
+        ids = prompt_ids(getattr(self._tm, "tokenizer", None), request, self._max_len())
+        if request.prompt_token_ids is None:  # a templated chat prompt: the facade checked token ids
+            assert self._info is not None
+            check_kv_room(len(ids), request.sampling.max_tokens, self._info)
+        return ids
 
     @hookimpl
     async def rlinfer_generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from rlinfer_core import parallel
-from rlinfer_core.errors import BackendLoadError
+from rlinfer_core.errors import BackendLoadError, UnsupportedCapability
 from rlinfer_core.routing import moe_shape
 from rlinfer_core.types import MAX_TOP_LOGPROBS, EngineConfig
 from rlinfer_vllm.capabilities import BACKEND, PARALLEL_UNSUPPORTED, Platform
@@ -74,6 +74,7 @@ def engine_args(config: EngineConfig, platform: Platform) -> dict[str, Any]:
         # vLLM's CPU default reserves 92% of the host's memory and refuses to start when other
         # processes hold more than 8% of it; a fixed KV budget is the predictable choice
         kv_bytes = CPU_DEFAULT_KV_CACHE_BYTES
+    refuse_kv_below_context(config, kv_bytes)
     if config.expert_parallel_size > 1:  # = tensor x data parallel size, vLLM's only EP width
         kwargs["enable_expert_parallel"] = True
     if config.load_format != "auto":
@@ -95,6 +96,31 @@ def engine_args(config: EngineConfig, platform: Platform) -> dict[str, Any]:
         kwargs.update(enable_return_routed_experts=True, enable_prefix_caching=True)
     kwargs.update(config.engine_kwargs)
     return kwargs
+
+
+#: the feature named by the UnsupportedCapability of a KV budget below one max_model_len request
+KV_BELOW_CONTEXT = "kv_cache.below_max_model_len"
+
+
+def refuse_kv_below_context(config: EngineConfig, kv_bytes: int | None) -> None:
+    """Raise UnsupportedCapability when ``kv_bytes`` cannot hold one request of ``max_model_len``
+    tokens: vLLM refuses to start then ("To serve at least one request with the model's max seq
+    len ..."), after loading the model; this says so at once. vLLM therefore never meets a single
+    request that cannot fit its KV cache, and serves a batch larger than the cache by preempting."""
+    from rlinfer_core.kv_budget import kv_bytes_per_token
+
+    per_token = kv_bytes_per_token(config.model, config.dtype)
+    if kv_bytes is None or config.max_model_len is None or per_token is None:
+        return
+    capacity = kv_bytes // per_token
+    if capacity < config.max_model_len:
+        raise UnsupportedCapability(
+            KV_BELOW_CONTEXT,
+            BACKEND,
+            f"vLLM starts only with a KV cache that holds one max_model_len request; "
+            f"kv_cache_memory_bytes={kv_bytes} holds about {capacity} tokens of this model, max_model_len is "
+            f"{config.max_model_len}: lower max_model_len or raise kv_cache_memory_bytes",
+        )
 
 
 #: vLLM's per-rank CPU core binding ("0-3|4-7": cores of rank 0 | rank 1)

@@ -27,6 +27,7 @@ from rlinfer_core.types import Capabilities, Capability, EngineConfig
 from rlinfer_sglang.agent import AgentHooks
 from rlinfer_sglang.capabilities import capabilities, installed_platform, installed_version
 from rlinfer_sglang.config import WEIGHT_LOADER, resolve_platform, server_args
+from rlinfer_sglang.oom import kv_capacity_tokens
 from rlinfer_sglang.server_mode import convert as wire
 from rlinfer_sglang.server_mode.caps import SERVER_ROUTES_NOTE, server_capabilities
 from rlinfer_sglang.server_mode.generation import Generation
@@ -205,6 +206,7 @@ class SGLangServerBackend(ServerMemory, Generation, AgentHooks):
             max_model_len=max_len,
             eos_token_ids=tuple(sorted(eos)),
             tied_weights={"lm_head.weight": "model.embed_tokens.weight"} if tied else {},
+            kv_capacity_tokens=kv_capacity_tokens(limit, max_len),
         )
 
     def _weight_specs(self, info: Mapping[str, Any]) -> dict[str, Any]:

@@ -20,9 +20,11 @@ import attrs
 from rlinfer_core.errors import InvalidRequest, RLInferError
 from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.merge import merge
+from rlinfer_core.preflight import check_kv_room
 from rlinfer_core.types import Completion, CompletionDelta, FinishReason, GenerateRequest, LogprobsMode
 from rlinfer_sglang import convert
 from rlinfer_sglang.agent import openai_tools
+from rlinfer_sglang.oom import out_of_memory
 from rlinfer_sglang.server_mode import convert as wire
 from rlinfer_sglang.server_mode.inflight import InFlight
 
@@ -53,7 +55,14 @@ class Generation(InFlight):
             raise InvalidRequest(
                 "messages", f"the templated prompt has {len(ids)} tokens, max_model_len is {self._max_len()}"
             )
+        assert self._info is not None
+        check_kv_room(len(ids), request.sampling.max_tokens, self._info)
         return ids
+
+    def _out_of_memory(self, exc: Exception) -> Exception:
+        """``exc`` as EngineOutOfMemory where SGLang's message says the KV cache could not hold
+        the request (:mod:`rlinfer_sglang.oom`), else ``exc``."""
+        return out_of_memory(str(exc), self._info) or exc
 
     def _params(self, request: GenerateRequest, ids: list[int]) -> dict[str, Any]:
         assert self._info is not None
@@ -95,6 +104,8 @@ class Generation(InFlight):
         except asyncio.CancelledError:
             self._abort_later([rids[k] for k in live])
             raise
+        except RLInferError as exc:  # an HTTP 4xx (InvalidRequest) or 5xx (ServerError) answer
+            raise self._out_of_memory(exc) from exc
         finally:
             for (r, _, _), rid in zip(samples, rids, strict=True):
                 if rid:
@@ -168,7 +179,7 @@ class Generation(InFlight):
         try:
             async for out in http.stream("/generate", self._body(request, ids, rid, stream=True)):
                 if "error" in out:
-                    raise _stream_error(out["error"])
+                    raise self._out_of_memory(_stream_error(out["error"]))
                 before = seen
                 d, seen = convert.delta(request, index, out, seen)
                 self._received[rid] = seen
