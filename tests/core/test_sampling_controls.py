@@ -160,3 +160,37 @@ def test_over_sample_checks_first_and_needs_abort() -> None:
         asyncio.run(generate_over_sampled(engine, requests, 0.5, _caps(), lambda r: None))
     done = asyncio.run(generate_over_sampled(engine, requests, 1.0, _caps(), lambda r: None))
     assert [c.finish_reason for c in done] == [FinishReason.LENGTH] * 2, "no abort needed at rate 1"
+
+
+def test_rlinfer_serve_maps_the_new_fields() -> None:
+    """The dialects' conversions (no engine): vLLM's /inference/v1/generate and OpenAI bodies,
+    SGLang's /generate (its priority order is higher first)."""
+    from rlinfer_server.constraints import structured_constraint
+    from rlinfer_server.schemas import StructuredOutputsIn
+    from rlinfer_server.sglang_generate import generate_plan
+    from rlinfer_server.sglang_schemas import SglGenerateBody
+    from rlinfer_server.vllm_generate import VllmGenerateBody, generate_requests
+
+    vllm = VllmGenerateBody.model_validate(
+        {
+            "token_ids": [1, 2],
+            "priority": -2,
+            "sampling_params": {"max_tokens": 4, "stop": ["x"], "include_stop_str_in_output": True},
+        }
+    )
+    request = generate_requests(vllm)
+    assert request.priority == -2 and request.sampling.include_stop_str_in_output
+    grammar = 'root ::= "a"'
+    assert structured_constraint(None, StructuredOutputsIn(grammar=grammar)) == StructuredOutput.ebnf(grammar)
+    sgl = SglGenerateBody.model_validate(
+        {
+            "input_ids": [1, 2],
+            "priority": 3,
+            "sampling_params": {"max_new_tokens": 4, "stop_regex": r"\d", "ebnf": grammar, "no_stop_trim": True},
+        }
+    )
+    (sgl_request,) = generate_plan(sgl, tokens=None).requests  # type: ignore[arg-type]  # ids: no tokenizer
+    assert sgl_request.priority == -3, "SGLang's higher-first order as rlinfer's lower-first"
+    assert sgl_request.sampling.stop_regex == (r"\d",)
+    assert sgl_request.sampling.include_stop_str_in_output
+    assert sgl_request.sampling.structured == StructuredOutput.ebnf(grammar)

@@ -49,7 +49,7 @@ def check_completion(world: KitWorld, request: GenerateRequest, c: Completion) -
     else:
         assert c.finish_reason is FinishReason.STOP, where
         if isinstance(c.stop_reason, str):
-            assert c.stop_reason in s.stop, f"stop string not requested: {where}"
+            assert c.stop_reason in s.stop or c.stop_reason in s.stop_regex, f"stop string not requested: {where}"
         else:
             assert tokens[-1] in stops, f"'stop' must end with EOS or a stop token id: {where}"
             if c.stop_reason is not None:

@@ -37,7 +37,6 @@ UNSUPPORTED: Mapping[str, Unsupported] = {
     "truncation_side": Unsupported((), "prompts are never truncated: rlinfer serves the exact prompt tokens"),
     "logprob_token_ids": Unsupported(([],), "per-request logprob token sets are not part of the contract"),
     "bad_words": Unsupported(([],), "use logit_bias or allowed_token_ids"),
-    "priority": Unsupported((0,), "rlinfer engines schedule first come, first served"),
     "cache_salt": Unsupported((), "prefix-cache salting is not part of the contract"),
     "kv_transfer_params": Unsupported((), "disaggregated serving is not part of the contract"),
     "ec_transfer_params": Unsupported((), "disaggregated serving is not part of the contract"),

@@ -2,10 +2,11 @@
 
 Honoured: ``response_format`` ``text`` (no constraint), ``json_object`` (one JSON object),
 ``json_schema`` (its ``schema``); ``structured_outputs`` with one of ``json`` (a schema),
-``json_object``, ``regex``, ``choice``. The engines enforce them with their grammar backends
-(capability ``generate.structured``). Refused with a 400 naming the field: ``grammar`` and
-structural tags (no engine-neutral form: each engine's grammar dialect differs), more than one
-constraint, and the whitespace options (rlinfer's engines always generate compact JSON).
+``json_object``, ``regex``, ``choice``, ``grammar`` (EBNF in the GBNF dialect both engines' xgrammar
+reads; capability ``generate.grammar_ebnf`` too). The engines enforce them with their grammar
+backends (capability ``generate.structured``). Refused with a 400 naming the field: structural
+tags (no engine-neutral form), more than one constraint, and the whitespace options (rlinfer's
+engines always generate compact JSON).
 """
 
 from __future__ import annotations
@@ -48,11 +49,10 @@ def _from_structured_outputs(so: StructuredOutputsIn) -> StructuredOutput:
     if so.whitespace_pattern is not None or so.disable_additional_properties:
         field = "whitespace_pattern" if so.whitespace_pattern is not None else "disable_additional_properties"
         raise InvalidRequest(f"structured_outputs.{field}", "is not supported (JSON is generated compact)")
-    for field in ("grammar", "structural_tag"):
-        if getattr(so, field) is not None:
-            raise InvalidRequest(
-                f"structured_outputs.{field}", "is not supported: each engine's grammar dialect differs"
-            )
+    if so.structural_tag is not None:
+        raise InvalidRequest(
+            "structured_outputs.structural_tag", "is not supported: each engine's structural tags differ"
+        )
     given: dict[str, Callable[[], StructuredOutput]] = {}
     if so.json_ is not None:
         schema = so.json_
@@ -65,9 +65,13 @@ def _from_structured_outputs(so: StructuredOutputsIn) -> StructuredOutput:
     if so.choice is not None:
         options = so.choice
         given["choice"] = lambda: StructuredOutput.choices(options)
+    if so.grammar is not None:
+        grammar = so.grammar
+        given["grammar"] = lambda: StructuredOutput.ebnf(grammar)
     if len(given) != 1:
         raise InvalidRequest(
-            "structured_outputs", f"give exactly one of json, json_object, regex, choice; got {sorted(given) or 'none'}"
+            "structured_outputs",
+            f"give exactly one of json, json_object, regex, choice, grammar; got {sorted(given) or 'none'}",
         )
     ((kind, build),) = given.items()
     try:

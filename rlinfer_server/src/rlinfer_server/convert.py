@@ -173,7 +173,7 @@ def completion_requests(body: CompletionRequest, tokens: Tokens) -> list[Generat
     structured = structured_constraint(body.response_format, body.structured_outputs)
     sampling = _sampling(body, body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, logprobs, structured)
     return [
-        GenerateRequest(prompt_token_ids=p, sampling=sampling, request_id=rid)
+        GenerateRequest(prompt_token_ids=p, sampling=sampling, request_id=rid, priority=body.priority)
         for p, rid in zip(prompts, _ids(body.request_id, len(prompts)), strict=True)
     ]
 
@@ -201,6 +201,7 @@ def chat_request(body: ChatRequest, prompt: RenderedChat, plan: ToolPlan) -> Gen
         request_id=_ids(body.request_id, 1)[0],
         tools=plan.specs if plan.parser is not None else None,
         tool_parser=plan.parser,
+        priority=body.priority,
     )
 
 

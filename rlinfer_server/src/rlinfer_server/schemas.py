@@ -34,7 +34,8 @@ class VllmCompatFields(Body):
     truncation_side: Any = None
     logprob_token_ids: Any = None
     bad_words: Any = None
-    priority: Any = None
+    #: vLLM's request priority, lower first (capability generate.priority)
+    priority: int = 0
     cache_salt: Any = None
     kv_transfer_params: Any = None
     ec_transfer_params: Any = None
@@ -74,8 +75,8 @@ class ResponseFormat(Body):
 
 
 class StructuredOutputsIn(Body):
-    """vLLM's ``structured_outputs``: exactly one of ``json``, ``regex``, ``choice`` (honoured),
-    ``json_object``, or ``grammar`` / ``structural_tag`` (refused: no engine-neutral form)."""
+    """vLLM's ``structured_outputs``: exactly one of ``json``, ``regex``, ``choice``, ``grammar``
+    (EBNF), ``json_object`` (honoured), or ``structural_tag`` (refused: no engine-neutral form)."""
 
     json_: dict[str, Any] | str | bool | None = Field(default=None, alias="json")
     regex: str | None = None

@@ -81,15 +81,24 @@ def _prompts(body: SglGenerateBody, tokens: Tokens) -> tuple[list[list[int]], bo
     return [tokens.encode(body.text)], False
 
 
+def rlinfer_priority(priority: int | None) -> int:
+    """rlinfer's priority (lower first) of an SGLang one (higher first, SGLang's default order)."""
+    if priority is None:
+        return 0
+    if isinstance(priority, bool) or not -(2**31) < priority < 2**31:
+        raise InvalidRequest("priority", f"must be an integer in ({-(2**31)}, {2**31}), got {priority!r}")
+    return -priority
+
+
 def sampling_of(params: SglSamplingParams, logprobs: int, prompt_logprobs: bool) -> SamplingParams:
     """rlinfer SamplingParams of SGLang ``sampling_params`` (errors name SGLang's fields);
     ``logprobs`` alternatives per position, for the prompt's positions too when ``prompt_logprobs``
     (SGLang's one ``top_logprobs_num``)."""
     from rlinfer_core.structured import StructuredOutput
 
-    constraints = [c for c in (params.json_schema, params.regex, params.choice) if c is not None]
+    constraints = [c for c in (params.json_schema, params.regex, params.choice, params.ebnf) if c is not None]
     if len(constraints) > 1:
-        raise InvalidRequest("sampling_params.json_schema", "give at most one of json_schema, regex and choice")
+        raise InvalidRequest("sampling_params.json_schema", "give at most one of json_schema, regex, choice and ebnf")
     structured: StructuredOutput | None = None
     if params.json_schema is not None:
         structured = StructuredOutput.json(params.json_schema)
@@ -97,6 +106,8 @@ def sampling_of(params: SglSamplingParams, logprobs: int, prompt_logprobs: bool)
         structured = StructuredOutput.regex(params.regex)
     elif params.choice is not None:
         structured = StructuredOutput.choices(params.choice)
+    elif params.ebnf is not None:
+        structured = StructuredOutput.ebnf(params.ebnf)
     bias = token_bias(params.logit_bias, "sampling_params.logit_bias")
     if params.max_new_tokens is None:
         raise InvalidRequest("sampling_params.max_new_tokens", "must be given (rlinfer bounds every request)")
@@ -112,6 +123,8 @@ def sampling_of(params: SglSamplingParams, logprobs: int, prompt_logprobs: bool)
             seed=params.sampling_seed,
             stop_token_ids=tuple(params.stop_token_ids or ()),
             stop=tuple(stop),
+            stop_regex=tuple(stop_strings(params.stop_regex)),
+            include_stop_str_in_output=params.no_stop_trim,
             ignore_eos=params.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
@@ -152,7 +165,11 @@ def generate_plan(body: SglGenerateBody, tokens: Tokens) -> GeneratePlan:
         rid = rids[i] if rids is not None else (body.rid if isinstance(body.rid, str) and count == 1 else None)
         requests.append(
             GenerateRequest(
-                prompt_token_ids=prompt, sampling=sampling, request_id=rid or uuid.uuid4().hex, lora=body.lora_path
+                prompt_token_ids=prompt,
+                sampling=sampling,
+                request_id=rid or uuid.uuid4().hex,
+                lora=body.lora_path,
+                priority=rlinfer_priority(body.priority),
             )
         )
         plans.append(

@@ -41,10 +41,10 @@ class SglSamplingParams(Body):
     logit_bias: dict[str, float] | None = None
     sampling_seed: int | None = None
     stream_interval: int | None = None  # every engine delta is sent
-    # accepted at their neutral values only (each engine's grammar dialects differ; no beam search)
-    ebnf: None = None
+    ebnf: str | None = None  # capabilities generate.structured and generate.grammar_ebnf
+    stop_regex: str | list[str] | None = None  # capability generate.stop_regex
+    # accepted at their neutral values only (each engine's structural tags differ; no beam search)
     structural_tag: None = None
-    stop_regex: None = None
     custom_params: None = None
     beam_width: Literal[0, 1] | None = None
     watermark: None = None
@@ -66,7 +66,8 @@ class SglGenerateBody(Body):
     log_metrics: bool = True
     session_id: str | None = None  # a routing hint (consistent hashing in SGLang's router)
     data_parallel_rank: int | None = None  # a routing hint
-    priority: Literal[0] | None = None
+    #: SGLang's order (higher first, its default); capability generate.priority
+    priority: int | None = None
     #: ``meta_info.routed_experts`` (capability generate.routed_experts), rows from this position
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0

@@ -62,7 +62,7 @@ class VllmGenerateBody(Body):
     output_mode: Literal["tokens"] = "tokens"
     return_token_ids: bool | None = None
     cache_salt: str | None = None  # a prefix-cache namespace (SkyRL: the weight version); not needed here
-    priority: Literal[0] = 0
+    priority: int = 0  # lower first (capability generate.priority)
     features: None = None
     kv_transfer_params: None = None
 
@@ -92,6 +92,7 @@ def generate_requests(body: VllmGenerateBody, routes: bool = False) -> GenerateR
             min_tokens=p.min_tokens,
             seed=p.seed,
             stop=tuple(stop),
+            include_stop_str_in_output=p.include_stop_str_in_output,
             stop_token_ids=tuple(p.stop_token_ids or ()),
             ignore_eos=p.ignore_eos,
             logprobs=p.logprobs or 0,
@@ -104,7 +105,10 @@ def generate_requests(body: VllmGenerateBody, routes: bool = False) -> GenerateR
         field = exc.field.removeprefix("sampling.")
         raise InvalidRequest(f"sampling_params.{field}", str(exc).removeprefix(f"invalid {exc.field}: ")) from None
     return GenerateRequest(
-        prompt_token_ids=body.token_ids, sampling=sampling, request_id=body.request_id or uuid.uuid4().hex
+        prompt_token_ids=body.token_ids,
+        sampling=sampling,
+        request_id=body.request_id or uuid.uuid4().hex,
+        priority=body.priority,
     )
 
 

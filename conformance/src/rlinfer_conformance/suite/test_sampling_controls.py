@@ -48,7 +48,7 @@ def _stop_regex_for(world: KitWorld, c: Completion) -> str | None:
     tokens = list(c.token_ids)
     head = _decode(world, tokens[:4])
     rest = _decode(world, tokens)[len(head) :].strip()
-    if len(rest) < 2 or not rest[:2].isprintable():
+    if len(rest) < 2 or not rest[:2].isprintable() or "\ufffd" in rest[:2]:  # not half a character
         return None
     pattern = re.escape(rest[0]) + "[" + re.escape(rest[1]) + "]"
     if re.search(pattern, head) is not None:
