@@ -139,10 +139,12 @@ for s in "$@"; do
       summary "$OUT/pool-$e.json"
       ;;
     trl-sync)
-      # TRL's VLLMClient (the wheel carried in .gpu/parts/trl) syncs weights over NCCL, packed,
-      # into each vLLM-dialect server of RLINFER_TRL_SERVERS on GPU 0, the trainer on GPU 1
+      # TRL's VLLMClient syncs weights over NCCL, packed, into each vLLM-dialect server of
+      # RLINFER_TRL_SERVERS on GPU 0, the trainer on GPU 1. TRL and what its client module imports
+      # that the image lacks (datasets and its closure) are wheels staged from .gpu/parts/trl*
+      # (dev/gpu/stage_wheels.sh)
       if [ ! -f "$SITES/trl_site/.installed" ]; then
-        python3 -m pip install --quiet --no-index --no-deps --target "$SITES/trl_site" "$REPO"/.gpu/parts/trl/trl-*.whl \
+        python3 -m pip install --quiet --no-index --no-deps --target "$SITES/trl_site" "${GPU_STAGE:-/tmp/gpu_stage}"/trl/*.whl \
           && touch "$SITES/trl_site/.installed" || rc=1
       fi
       for server in ${RLINFER_TRL_SERVERS:-rlinfer-vllm vllm-reference}; do

@@ -1,4 +1,4 @@
-"""vLLM's weight-transfer wire, receiver side, spoken with torch alone.
+"""vLLM's weight-transfer wire, receiver side, without vLLM.
 
 vLLM's trainer side (``NCCLWeightTransferEngine.trainer_init`` / ``trainer_send_weights``, and
 TRL's ``VLLMClient`` over it) builds its group as a ``StatelessProcessGroup``: rank 0 hosts a
@@ -11,7 +11,8 @@ as its size exceeds ``packed_buffer_size_bytes`` (``vllm/distributed/weight_tran
 packed_tensor.py``: ``pack_tensors``), so the receiver cuts the same buffers from the names,
 dtypes and shapes alone.
 
-This module joins such a group with ``torch.distributed.TCPStore`` and ``torch.cuda.nccl``, so
+This module joins such a group with ``torch.distributed.TCPStore`` and NCCL itself
+(:mod:`rlinfer_core.transfer.nccl_lib`), so
 ``rlinfer serve --dialect vllm`` receives from vLLM's trainer side unchanged whichever engine it
 serves (the SGLang environment has no vLLM). The packing rules are transport-independent:
 :func:`receive_tensors` also reads packed buffers from a gloo group (rlinfer's CPU variant).
@@ -19,7 +20,6 @@ serves (the SGLang environment has no vLLM). The packing rules are transport-ind
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import io
 import pickle
@@ -28,10 +28,13 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from rlinfer_core.errors import EngineTimeout, InvalidRequest, WeightUpdateError
+from rlinfer_core.transfer.nccl_lib import UniqueId
 from rlinfer_core.weights import TensorSpec
 
 if TYPE_CHECKING:
     import torch
+
+    from rlinfer_core.transfer.nccl_lib import NcclComm
 
 #: vLLM's defaults for packed transfers (both sides must agree)
 DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1024 * 1024 * 1024
@@ -110,18 +113,12 @@ def receive_tensors(
     return out
 
 
-class _UniqueId(ctypes.Structure):
-    """Layout of NCCL's ``ncclUniqueId`` (and of vLLM's ctypes wrapper of it)."""
-
-    _fields_ = [("internal", ctypes.c_byte * NCCL_UNIQUE_ID_BYTES)]
-
-
 class _UniqueIdUnpickler(pickle.Unpickler):
     """Reads vLLM's pickled ``ncclUniqueId`` without importing vLLM, and nothing else."""
 
     def find_class(self, module: str, name: str) -> Any:
         if name == "ncclUniqueId" and module.endswith("pynccl_wrapper"):
-            return _UniqueId
+            return UniqueId
         if (module, name) == ("_ctypes", "_unpickle"):
             import _ctypes
 
@@ -132,25 +129,21 @@ class _UniqueIdUnpickler(pickle.Unpickler):
 def unique_id_from_store(payload: bytes) -> bytes:
     """The 128 unique-id bytes from vLLM's pickled ``ncclUniqueId``."""
     uid = _UniqueIdUnpickler(io.BytesIO(payload)).load()
-    if not isinstance(uid, _UniqueId):
+    if not isinstance(uid, UniqueId):
         raise WeightUpdateError(f"the NCCL rendezvous holds a {type(uid).__name__}, not an ncclUniqueId")
     return bytes(uid.internal)
 
 
 class VllmNcclReceiver:
-    """A rank of vLLM's NCCL weight group (never rank 0), joined with torch.
+    """A rank of vLLM's NCCL weight group (never rank 0, where vLLM's trainer sits), joined with
+    torch's TCPStore and NCCL bound by :mod:`rlinfer_core.transfer.nccl_lib`."""
 
-    ``torch.cuda.nccl.broadcast`` always broadcasts from rank 0 of the communicator, which is
-    where vLLM's trainer sits.
-    """
-
-    def __init__(self, comm: Any, device: torch.device) -> None:
+    def __init__(self, comm: NcclComm, device: torch.device) -> None:
         import torch
 
-        self._comm = comm
+        self._comm: NcclComm | None = comm
         self._device = device
         self._stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
-        self._broken = False
 
     @property
     def device(self) -> torch.device:
@@ -171,8 +164,9 @@ class VllmNcclReceiver:
         """Join as ``rank``: read rank 0's unique id from its store (or take it as given), make
         the communicator and run vLLM's warm-up all-reduce."""
         import torch
-        import torch.cuda.nccl as nccl
         from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+        from rlinfer_core.transfer.nccl_lib import NcclComm
 
         if not torch.cuda.is_available():
             raise InvalidRequest("init_info.backend", "vLLM's NCCL weight transfer needs a CUDA device: use gloo")
@@ -190,34 +184,36 @@ class VllmNcclReceiver:
             unique_id = unique_id_from_store(store.get(UNIQUE_ID_KEY))
         device = torch.device("cuda", torch.cuda.current_device())
         with torch.cuda.device(device):
-            comm = nccl.init_rank(world_size, unique_id, rank)  # type: ignore[no-untyped-call]
-            receiver = cls(comm, device)
+            receiver = cls(NcclComm(world_size, unique_id, rank), device)
             warm_up = torch.zeros(1, device=device)
-            with torch.cuda.stream(receiver._stream):
-                nccl.all_reduce([warm_up], streams=[receiver._stream], comms=[comm])  # type: ignore[no-untyped-call]
+            receiver._comm_or_raise().all_reduce_sum(warm_up, receiver._stream)
             receiver._wait(time.monotonic() + timeout_s)
         return receiver
+
+    def _comm_or_raise(self) -> NcclComm:
+        if self._comm is None:
+            raise WeightUpdateError("the weight group was closed: POST /init_weight_transfer_engine")
+        return self._comm
 
     def receive_into(self, tensor: torch.Tensor, deadline: float) -> None:
         """Fill ``tensor`` from rank 0's next broadcast (on a side stream, polled against the
         deadline so a trainer that died leaves an error, not a hung request)."""
         import torch
-        import torch.cuda.nccl as nccl
 
-        if self._broken:
-            raise WeightUpdateError("the weight group broke in an earlier transfer: POST /init_weight_transfer_engine")
-        with torch.cuda.device(self._device), torch.cuda.stream(self._stream):
-            nccl.broadcast([tensor], root=0, streams=[self._stream], comms=[self._comm])
+        with torch.cuda.device(self._device):
+            self._comm_or_raise().broadcast(tensor, 0, self._stream)
         self._wait(deadline)
 
     def _wait(self, deadline: float) -> None:
         event = self._stream.record_event()
         while not event.query():
             if time.monotonic() > deadline:
-                self._broken = True
+                self.close()
                 raise EngineTimeout("the trainer's NCCL broadcast did not arrive before the deadline")
             time.sleep(0.0005)
 
     def close(self) -> None:
-        """Drop the communicator (NCCL frees it with the last reference)."""
-        self._comm = None
+        """Abort the communicator (also cancels a broadcast still waiting for the trainer)."""
+        if self._comm is not None:
+            self._comm.abort()
+            self._comm = None
