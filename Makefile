@@ -8,7 +8,7 @@ VENVS := .venvs
 DEMO_BACKEND ?= vllm
 DEMO_OUT ?= out/demo
 
-.PHONY: env-core env-vllm env-sglang env-verl test-verl envs demo test lint typecheck test-core test-vllm test-sglang test-ray test-ray-sglang test-server test-wheels test-vllm-server test-vllm-server-ci test-sglang-server test-sglang-server-ci test-sglang-tp2 test-vllm-tp2 test-vllm-architectures test-sglang-architectures test-dialects test-dialects-full test-dialects-pool test-server-sglang thorough clean-envs
+.PHONY: env-core env-vllm env-sglang env-verl test-verl test-verl-example envs demo test lint typecheck test-core test-vllm test-sglang test-ray test-ray-sglang test-server test-wheels test-vllm-server test-vllm-server-ci test-sglang-server test-sglang-server-ci test-sglang-tp2 test-vllm-tp2 test-vllm-architectures test-sglang-architectures test-dialects test-dialects-full test-dialects-pool test-server-sglang thorough clean-envs
 
 env-core: $(VENVS)/core/.built
 env-vllm: $(VENVS)/vllm/.built
@@ -124,7 +124,7 @@ test-wheels:
 test: lint typecheck test-core test-wheels test-vllm test-vllm-server-ci test-sglang test-sglang-server-ci test-sglang-tp2 test-vllm-tp2 test-ray test-server test-dialects test-verl
 
 # slower checks, not in `make test`: the kit in vLLM server mode alone takes ~15-25 min on 2 shared cores
-thorough: test test-vllm-server test-sglang-server test-ray-sglang test-vllm-architectures test-sglang-architectures test-dialects-full test-dialects-pool test-server-sglang
+thorough: test test-vllm-server test-sglang-server test-ray-sglang test-vllm-architectures test-sglang-architectures test-dialects-full test-dialects-pool test-server-sglang test-verl-example
 
 # the dialect suites (docs/server.md, "Dialects"): each suite against the engine's own server and
 # `rlinfer serve --dialect X` over the other engine's backend, one server at a time, and the SGLang
@@ -154,6 +154,11 @@ test-server-sglang: env-sglang
 # (~1 min, plus ~2 min for a fresh env-verl)
 test-verl: env-verl
 	$(RAY_STOP) timeout 900 $(VENVS)/verl/bin/python -m pytest tests/verl -q -p no:cacheprovider
+
+# the worked example's CPU slice (examples/verl/gsm8k_cpu_slice.py): verl's GSM8K GRPO recipe with
+# rollout.name=rlinfer through verl's agent loop, reward, GRPO advantage and weight sync (~1.5 min)
+test-verl-example: env-verl
+	$(RAY_STOP) RLINFER_VERL_SLICE_TESTS=1 timeout 900 $(VENVS)/verl/bin/python -m pytest tests/verl/test_gsm8k_slice.py -q -p no:cacheprovider
 
 clean-envs:
 	rm -rf $(VENVS)

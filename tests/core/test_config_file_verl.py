@@ -227,7 +227,7 @@ def test_every_no_effect_key_is_accepted_with_its_reason(tmp_path: Path) -> None
     "key,value",
     [
         ("quantization", "fp8"),
-        ("enable_rollout_routing_replay", True),
+        ("qat", {"enable": True}),
         ("scheduling_policy", "priority"),
         ("limit_images", 2),
         ("mode", "remote"),
@@ -238,6 +238,11 @@ def test_no_effect_keys_refuse_what_rlinfer_cannot_do(tmp_path: Path, key: str, 
     with pytest.raises(InvalidRequest) as info:
         rollout(tmp_path, **{key: value})
     assert info.value.field == key
+
+
+def test_routing_replay_asks_for_routed_experts(tmp_path: Path) -> None:
+    assert rollout(tmp_path, enable_rollout_routing_replay=True).enable_routed_experts is True
+    assert rollout(tmp_path, enable_rollout_routing_replay=False).enable_routed_experts is False
 
 
 @pytest.mark.parametrize("value", ["server", "inprocess"])

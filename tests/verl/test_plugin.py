@@ -114,6 +114,8 @@ def test_sampling_keys_and_refusals() -> None:
     assert request.want_logprobs and request.sampling.temperature == 0.0 and request.sampling.seed == 7
     assert verl_request({"seed": 3}, 3, config, seed=7).sampling.seed == 3
     assert not verl_request({"logprobs": False}, 3, config).want_logprobs
+    # verl repeats prompts rollout.n times itself: one sample per call whatever the section's n
+    assert verl_request({}, 3, engine_config(default_sampling={"n": 4})).sampling.n == 1
     prompt = verl_request({"prompt_logprobs": 2}, 3, config)
     assert prompt.prompt_logprobs == 2 and prompt.sampling.prompt_logprobs and prompt.sampling.prompt_top_logprobs == 2
     with pytest.raises(InvalidRequest, match="best_of"):

@@ -29,6 +29,7 @@ ALIASES: Mapping[str, str] = {
     "prompt_length": "max_prompt_tokens",
     "response_length": "max_response_tokens",
     "full_determinism": "deterministic",
+    "enable_rollout_routing_replay": "enable_routed_experts",
 }
 
 #: verl's rollout keys that set the default sampling (EngineConfig.default_sampling), by the
@@ -124,7 +125,6 @@ NO_EFFECT: Mapping[str, str] = {
     "limit_images": "only null: rlinfer's requests are token ids or text messages",
     "quantization": "only null: rlinfer's weight updates and checksums are for unquantized models",
     "quantization_config_file": "only null: rlinfer's weight updates and checksums are for unquantized models",
-    "enable_rollout_routing_replay": "only false: routing replay is not implemented yet (issue 23 part 4)",
     "mtp": "only without mtp.enable_rollout: rlinfer does not run speculative decoding",
     "scheduling_policy": (
         "only fcfs, the engines' default: rlinfer's requests carry no priority a priority policy could use"
@@ -142,7 +142,7 @@ NO_EFFECT: Mapping[str, str] = {
     "moe_tensor_parallel_size": "only 1: TensorRT-LLM's MoE tensor parallelism",
     "checkpoint_manager_class": f"{_TRAINER_SIDE} (verl's checkpoint-engine manager)",
     "moe_load_balance_metrics_interval": f"{_TRAINER_SIDE} (verl's MoE load-balance metrics)",
-    "qat": "only null: rlinfer's weight updates and checksums are for unquantized models",
+    "qat": "only without qat.enable: rlinfer's weight updates and checksums are for unquantized models",
     "disaggregation": "only without disaggregation.enabled: rlinfer runs no prefill/decode disaggregation",
     "router_config_path": "verl's request router between replicas; an rlinfer pool routes its own requests",
 }
@@ -153,11 +153,9 @@ ONLY_VALUES: Mapping[str, tuple[Any, ...]] = {
     "limit_images": (None,),
     "quantization": (None,),
     "quantization_config_file": (None,),
-    "enable_rollout_routing_replay": (False,),
     "scheduling_policy": ("fcfs", None),
     "mode": ("async", "sync"),
     "moe_tensor_parallel_size": (1, None),
-    "qat": (None,),
 }
 
 #: every key of verl's RolloutConfig (verl 0.8 and 0.9: verl/workers/config/rollout.py) besides ``name``
@@ -307,9 +305,10 @@ def load_format(value: Any) -> str:
 
 def check_only_values(key: str, value: Any) -> None:
     """Refuse a value of a no-effect key that asks for something rlinfer cannot do."""
-    if key == "disaggregation":
-        if isinstance(value, Mapping) and value.get("enabled") is True:
-            raise InvalidRequest(key, f"{NO_EFFECT[key]}; set disaggregation.enabled: false")
+    if key in ("disaggregation", "qat"):
+        flag = "enabled" if key == "disaggregation" else "enable"
+        if isinstance(value, Mapping) and value.get(flag) is True:
+            raise InvalidRequest(key, f"{NO_EFFECT[key]}; set {key}.{flag}: false")
         return
     if key == "mtp":
         enabled = isinstance(value, Mapping) and value.get("enable_rollout") is True

@@ -62,10 +62,15 @@ def max_new_tokens(params: dict[str, Any], prompt_len: int, config: EngineConfig
 
 
 def verl_request(
-    sampling_params: Mapping[str, Any], prompt_len: int, config: EngineConfig, seed: int | None = None
+    sampling_params: Mapping[str, Any],
+    prompt_len: int,
+    config: EngineConfig,
+    seed: int | None = None,
+    routed: bool = False,
 ) -> VerlRequest:
     """verl's ``sampling_params`` dict as a VerlRequest on top of the engine's default sampling;
-    ``seed``: verl's per-replica seed under ``full_determinism`` (used unless the dict has one)."""
+    ``seed``: verl's per-replica seed under ``full_determinism`` (used unless the dict has one);
+    ``routed``: verl's ``enable_rollout_routing_replay`` (every request returns its routes)."""
     params = dict(sampling_params)
     max_tokens = max_new_tokens(params, prompt_len, config)
     want_logprobs = bool(params.pop("logprobs", False))
@@ -81,9 +86,14 @@ def verl_request(
         )
     if seed is not None:
         params.setdefault("seed", seed)
+    # verl repeats each prompt rollout.n times itself (one generate call per sample); the section's
+    # `n` is the engine's default for rlinfer's own callers
+    params.setdefault("n", 1)
     for key in ("temperature", "top_p", "repetition_penalty", "min_p", "presence_penalty", "frequency_penalty"):
         if isinstance(params.get(key), int) and not isinstance(params[key], bool):
             params[key] = float(params[key])  # verl writes temperature=0 for greedy
+    if routed:
+        params.setdefault("return_routed_experts", True)
     if prompt_logprobs is not None:
         params["prompt_logprobs"] = True
         params["prompt_top_logprobs"] = prompt_logprobs

@@ -113,7 +113,8 @@ class RlinferServer:
             )
         prompt = as_token_ids(prompt_ids)
         seed = self.replica_rank + self.seed if self.full_determinism else None
-        request = verl_request(sampling_params, len(prompt), self.engine.config, seed=seed)
+        config = self.engine.config
+        request = verl_request(sampling_params, len(prompt), config, seed=seed, routed=config.enable_routed_experts)
         if request.sampling.n != 1:
             raise InvalidRequest("n", f"verl's generate returns one sample per call, got n={request.sampling.n}")
         if priority:
