@@ -73,7 +73,11 @@ def test_rollout_section_pool_and_errors(tmp_path: Path) -> None:
     from rlinfer_verl.config import rlinfer_rollout
 
     pooled = rlinfer_rollout(rollout_config(custom={"rlinfer": {"pool": {"replicas": 2}}}), str(tmp_path))
-    assert pooled.backend == "vllm" and pooled.pool == {"replicas": 2}
+    assert pooled.backend == "vllm" and pooled.pool == {"replicas": 2} and pooled.http is None
+    served = rlinfer_rollout(rollout_config(custom={"rlinfer": {"http": True}}), str(tmp_path))
+    assert served.http == {}
+    with pytest.raises(InvalidRequest, match=r"custom\.rlinfer\.http"):
+        rlinfer_rollout(rollout_config(custom={"rlinfer": {"http": "yes"}}), str(tmp_path))
     with pytest.raises(InvalidRequest, match=r"custom\.rlinfer\.kv_cache_size.*allowed keys"):
         rlinfer_rollout(rollout_config(custom={"rlinfer": {"kv_cache_size": 1}}), str(tmp_path))
     # verl refuses this for names other than vllm / sglang itself; a plain mapping reaches rlinfer

@@ -28,7 +28,13 @@ ROLLOUT = {
     "enforce_eager": True,
     "free_cache_engine": False,
     "custom": {
-        "rlinfer": {"backend": "vllm", "kv_cache_memory_bytes": 64 << 20, "seed": 0, "startup_timeout_s": 600.0}
+        "rlinfer": {
+            "backend": "vllm",
+            "kv_cache_memory_bytes": 64 << 20,
+            "seed": 0,
+            "startup_timeout_s": 600.0,
+            "http": {"port": 0, "served_model_name": "tiny"},  # rlinfer serve: verl's server_address
+        }
     },
 }
 PROMPTS = ([5, 17, 42, 8, 99, 23], [11, 3, 64, 7])
@@ -122,6 +128,22 @@ def test_generate_returns_token_output_with_oracle_parity(replica: Any, oracle: 
     assert len(short.token_ids) == 3 and short.log_probs is None
     assert len(short.extra_fields["prompt_ids"]) == len(PROMPTS[0])  # verl's rows: one per prompt token
     assert short.extra_fields["prompt_ids"][0] == [PROMPTS[0][1]]
+
+
+def test_server_address_is_rlinfer_serve_over_the_same_engine(replica: Any, loop: Any) -> None:
+    import httpx
+
+    host, port = replica.server_address.rsplit(":", 1)
+    assert host == "127.0.0.1" and int(port) > 0
+    prompt = list(PROMPTS[0])
+    answer = httpx.post(
+        f"http://{replica.server_address}/v1/completions",
+        json={"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0},
+        timeout=120,
+    )
+    assert answer.status_code == 200, answer.text
+    over_http = answer.json()["choices"][0]["token_ids"]
+    assert over_http == generate(replica, loop, prompt, max_tokens=4).token_ids
 
 
 def test_bad_sampling_key_is_refused_and_the_engine_serves_on(replica: Any, oracle: Any, loop: Any) -> None:

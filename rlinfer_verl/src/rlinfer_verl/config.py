@@ -13,6 +13,7 @@ extension point, ``rollout.custom.rlinfer``::
             backend: vllm            # or sglang (default: vllm)
             serving: inprocess       # or server: the engine's own HTTP server as a child
             pool: {replicas: 2}      # optional: an rlinfer-ray pool instead of one engine
+            http: {port: 0}          # optional: rlinfer serve over the engine (verl's server_address)
             kv_cache_memory_bytes: 67108864   # any other EngineConfig field
 
 The engine settings that verl's section names (``engine_kwargs.vllm`` / ``engine_kwargs.sglang``
@@ -49,6 +50,8 @@ class RlinferRollout:
     backend: str
     engine: EngineConfig
     pool: Mapping[str, Any] | None = None
+    #: rlinfer serve's settings when the section has ``custom.rlinfer.http`` (None: no HTTP server)
+    http: Mapping[str, Any] | None = None
     #: what verl's section sets that has no effect here, one line each (logged)
     notes: tuple[str, ...] = ()
 
@@ -93,12 +96,20 @@ def rlinfer_rollout(rollout_config: Any, model_path: str) -> RlinferRollout:
     pool = own.pop("pool", None)
     if pool is not None and not isinstance(pool, Mapping):
         raise InvalidRequest(f"custom.{CUSTOM_KEY}.pool", f"must be a mapping of pool settings, got {pool!r}")
+    http = own.pop("http", None)
+    if http is True:
+        http = {}
+    if http is not None and not isinstance(http, Mapping):
+        raise InvalidRequest(
+            f"custom.{CUSTOM_KEY}.http", f"must be true or a mapping of rlinfer serve settings, got {http!r}"
+        )
     section["name"] = backend
     document: dict[str, Any] = {"model_path": model_path, "rollout": section}
     settings = read_config_mapping(document, Path(_WHERE))
     unknown = sorted(set(own) - {f.name for f in attrs.fields(EngineConfig)})
     if unknown:
-        allowed = sorted({"backend", "pool", *(f.name for f in attrs.fields(EngineConfig))})
+        allowed = sorted({"backend", "pool", "http", *(f.name for f in attrs.fields(EngineConfig))})
         raise InvalidRequest(f"custom.{CUSTOM_KEY}.{unknown[0]}", f"unknown key; allowed keys: {allowed}")
     config = engine_config(settings, own)
-    return RlinferRollout(backend=backend, engine=config, pool=pool, notes=settings.notes)
+    http_fields = dict(http) if http is not None else None
+    return RlinferRollout(backend=backend, engine=config, pool=pool, http=http_fields, notes=settings.notes)

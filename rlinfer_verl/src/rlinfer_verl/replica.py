@@ -73,4 +73,5 @@ class RlinferReplica(RolloutReplica):  # type: ignore[misc]  # verl is untyped
         await server.launch_server.remote()
         self.servers = [server]
         self._server_handle = server
-        self._server_address = None  # token in/out through the actor; see RlinferServer.get_server_address
+        # rlinfer serve over the engine with custom.rlinfer.http; None: token in/out through the actor
+        self._server_address = await server.server_address.remote()

@@ -55,6 +55,8 @@ class RlinferServer:
         #: the trainer's step of the served weights (verl's ``global_steps``), set by update_weights
         self.global_steps: int | None = None
         self.engine: Any = None
+        #: rlinfer serve over the engine (rlinfer_verl.http.HttpFace) with custom.rlinfer.http
+        self.http: Any = None
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -78,16 +80,31 @@ class RlinferServer:
             from rlinfer_core.engine import AsyncEngine
 
             self.engine = await AsyncEngine.open(self.rollout.backend, self.rollout.engine)
+        if self.rollout.http is not None:
+            from rlinfer_verl.http import serve_http
+
+            try:
+                self.http = await serve_http(self.engine, self.rollout.http)
+            except BaseException:
+                await self.engine.shutdown()
+                raise
 
     async def shutdown(self) -> None:
-        """Stop the engine (safe to call twice)."""
+        """Stop the HTTP server and the engine (safe to call twice)."""
+        if self.http is not None:
+            await self.http.stop()
         if self.engine is not None:
             await self.engine.shutdown()
 
     def get_server_address(self) -> tuple[str, int] | None:
-        """verl's HTTP address of the server: rlinfer's engines are driven through this actor
-        (token in, token out), so there is none (None); ``rlinfer serve`` gives one to HTTP clients."""
-        return None
+        """verl's HTTP address of the server: rlinfer serve's over the engine with
+        ``custom.rlinfer.http``; None otherwise (verl then drives the replica through this actor
+        only, token in, token out)."""
+        return (self.http.host, self.http.port) if self.http is not None else None
+
+    def server_address(self) -> str | None:
+        """:meth:`get_server_address` as verl's ``host:port`` string (None without HTTP)."""
+        return self.http.address if self.http is not None else None
 
     # --- generation ------------------------------------------------------------------------------
 
