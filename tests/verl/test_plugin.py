@@ -153,6 +153,16 @@ def test_token_output_fields() -> None:
     top = verl_request({"prompt_logprobs": 2}, 3, engine_config())
     rows = token_output_fields(completion, top, None)["extra_fields"]
     assert rows["prompt_ids"] == [[6, 1], [2, 7], [0, 0]]
+    # verl's routing replay: the completion's routes as an array [prompt + response tokens, layers, top_k]
+    import attrs
+
+    from rlinfer_core.routing import RoutedExperts
+
+    routes = [[[1, 2], [3, 0]]] * 5
+    routed = attrs.evolve(completion, routed_experts=RoutedExperts.from_array(routes))
+    array = token_output_fields(routed, verl_request({}, 3, engine_config(), routed=True), None)["routed_experts"]
+    assert array.shape == (5, 2, 2) and array.tolist() == routes
+    assert verl_request({}, 3, engine_config(), routed=True).sampling.return_routed_experts
     aborted = Completion(
         request_id="r", index=0, prompt_token_ids=(5,), token_ids=(), logprobs=(), finish_reason=FinishReason.ABORT
     )
