@@ -15,6 +15,7 @@ import pytest
 from rlinfer_conformance.checks import check_batch
 from rlinfer_conformance.report import KitReport
 from rlinfer_conformance.world import OP_TIMEOUT_S, KitWorld, own_world
+from rlinfer_core.errors import InvalidRequest
 from rlinfer_core.types import Capability, Completion, FinishReason, GenerateRequest, SamplingParams
 
 __all__ = [
@@ -153,6 +154,11 @@ def test_ebnf_grammar_holds(rlinfer_world: KitWorld) -> None:
         assert re.fullmatch(EBNF_REGEX, text), (text, c.finish_reason)
         assert request.sampling.structured.accepts(text), text
         assert c.finish_reason is FinishReason.STOP, "the grammar ends the output"
+    # a grammar the core accepts (it has a root) but the engine's compiler does not
+    bad = SamplingParams(max_tokens=4, structured={"ebnf": "root ::= missing_rule"})
+    with pytest.raises(InvalidRequest):
+        w.engine.generate([GenerateRequest(prompt_token_ids=[1, 2], sampling=bad)])
+    w.generate_and_check(None, max_tokens=4)  # still serving
 
 
 @pytest.fixture(scope="module")
