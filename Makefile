@@ -99,9 +99,9 @@ test-vllm-tp2: env-vllm
 
 # rlinfer-ray: pool tests (two vLLM replicas on a local Ray cluster), then the kit against a pool
 # of two replicas for each backend (rlinfer conformance --backend X --replicas 2). The kit's
-# extra-architecture and dummy-start tests open single engines of their own (not the pool) and ran in
+# extra-architecture, dummy-start and priority tests open single engines of their own (not the pool) and ran in
 # test-vllm/test-sglang already: deselected here to keep CI time down (~7 min on 2 cores).
-POOL_KIT_SKIP := -k "not test_architecture_ and not test_routed_experts_match and not test_dummy_start"
+POOL_KIT_SKIP := -k "not test_architecture_ and not test_routed_experts_match and not test_dummy_start and not test_priority_orders_the_queue"
 # Ray's local cluster is stopped whatever the outcome, so no Ray process outlives the target.
 RAY_STOP := trap '$(VENVS)/vllm/bin/ray stop --force >/dev/null 2>&1 || true' EXIT;
 # CI: the pool tests and the kit against a vLLM pool; the SGLang pool kit runs in `make thorough`.
