@@ -112,6 +112,7 @@ def main() -> int:
     p.add_argument("--model", required=True)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--tol", type=float, default=1e-2, help="logprob tolerance against the HF oracle")
+    p.add_argument("--noise", type=float, default=0.05, help="std of the noise added to every parameter")
     p.add_argument("--out", required=True)
     args = p.parse_args()
 
@@ -123,7 +124,13 @@ def main() -> int:
     log = Path(args.out).with_suffix(".server.log")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0"}
     command = server_command(args.server, args.model, port, args.dtype)
-    result: dict[str, Any] = {"server": args.server, "command": command, "dtype": args.dtype, "tol": args.tol}
+    result: dict[str, Any] = {
+        "server": args.server,
+        "command": command,
+        "dtype": args.dtype,
+        "tol": args.tol,
+        "noise": args.noise,
+    }
     with log.open("wb") as sink:
         proc = subprocess.Popen(["bash", "-c", command], env=env, stdout=sink, stderr=subprocess.STDOUT)
     try:
@@ -142,7 +149,7 @@ def main() -> int:
         generator = torch.Generator(device="cuda").manual_seed(1)
         with torch.no_grad():
             for param in model.parameters():
-                param.add_(torch.randn(param.shape, generator=generator, device="cuda", dtype=param.dtype) * 0.05)
+                param.add_(torch.randn(param.shape, generator=generator, device="cuda", dtype=param.dtype) * args.noise)
         rounds = []
         for label in ("perturbed", "original"):
             if label == "original":

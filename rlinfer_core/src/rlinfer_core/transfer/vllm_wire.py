@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import io
+import os
 import pickle
 import time
 from collections.abc import Sequence
@@ -182,6 +183,11 @@ class VllmNcclReceiver:
                 use_libuv=False,
             )
             unique_id = unique_id_from_store(store.get(UNIQUE_ID_KEY))
+        # vLLM sets NCCL_CUMEM_ENABLE=0 process-wide on import (vllm/env_override.py), so its
+        # trainer side sets up P2P buffers without cuMem; a peer with cuMem on fails in the P2P
+        # transport ("Cuda failure 'invalid argument'", measured on 2 H100s). NCCL reads it at
+        # the process's first communicator.
+        os.environ.setdefault("NCCL_CUMEM_ENABLE", "0")
         device = torch.device("cuda", torch.cuda.current_device())
         with torch.cuda.device(device):
             receiver = cls(NcclComm(world_size, unique_id, rank), device)
