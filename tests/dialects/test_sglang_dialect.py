@@ -540,3 +540,43 @@ def test_distributed_update_over_gloo(server: DialectServer, oracle: Oracle, tin
             "/update_weights_from_disk", json={"model_path": str(tiny_models[0]), "weight_version": str(version + 1)}
         )
         assert back.status_code == 200 and back.json()["success"] is True
+
+
+def _shared_payload(tensors: list[tuple[str, Any]]) -> str:
+    """What slime's colocated update sends for one TP rank: SGLang's MultiprocessingSerializer
+    (ForkingPickler, base64); CPU storages by shared-memory file name, the strategy that another
+    process can open."""
+    import base64
+    import io
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing
+
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    buffer = io.BytesIO()
+    ForkingPickler(buffer).dump(tensors)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_tensor_update_by_reference(server: DialectServer, oracle: Oracle, tiny_models: tuple[Path, Path]) -> None:
+    """``/update_weights_from_tensor`` with tensors shared by reference (inside SGLang 0.5.23's
+    begin/end bracket): the new weights serve with the version given; a payload that is not
+    SGLang's is 400 and the old weights stay."""
+    tensors = [(name, tensor.clone()) for name, tensor in _tensors(tiny_models[1])]
+    with server.client(timeout=300) as c:
+        before = version_of(c)
+        bad = c.post("/update_weights_from_tensor", json={"serialized_named_tensors": ["bm90IGEgcGlja2xl"]})
+        assert bad.status_code == 400 and bad.json()["success"] is False, bad.text
+        assert version_of(c) == before
+        body = {"serialized_named_tensors": [_shared_payload(tensors)], "weight_version": str(before + 1)}
+        assert c.post("/begin_weight_update", json={}).status_code == 200
+        r = c.post("/update_weights_from_tensor", json=body)
+        assert r.status_code == 200 and r.json()["success"] is True, r.text
+        assert c.post("/end_weight_update", json={}).status_code == 200
+        assert version_of(c) == before + 1
+        answer = generate(c, input_ids=PROMPT, sampling_params=GREEDY, return_logprob=True)
+        assert_oracle(answer, *oracle.greedy(tiny_models[1], PROMPT, 8))
+        back = c.post(
+            "/update_weights_from_disk", json={"model_path": str(tiny_models[0]), "weight_version": str(before + 2)}
+        )
+        assert back.status_code == 200 and back.json()["success"] is True

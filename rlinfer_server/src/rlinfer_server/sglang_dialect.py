@@ -4,7 +4,8 @@ trainers call (slime, AReaL), with SGLang's shapes, over any rlinfer engine or p
 Generation: ``/generate`` (:mod:`rlinfer_server.sglang_generate`). Control (behind the control
 key): ``/update_weights_from_disk``, ``/init_weights_update_group`` +
 ``/update_weights_from_distributed`` (one torch.distributed broadcast per tensor from the
-trainer's rank 0, the group built as SGLang builds it), ``/begin_weight_update`` /
+trainer's rank 0, the group built as SGLang builds it), ``/update_weights_from_tensor`` (tensors
+shared by reference: :mod:`rlinfer_core.transfer.shared_tensors`), ``/begin_weight_update`` /
 ``/end_weight_update`` (accepted; every rlinfer update is all-or-nothing on its own),
 ``/pause_generation`` / ``/continue_generation``, ``/release_memory_occupation`` /
 ``/resume_memory_occupation``, ``/flush_cache``, ``/update_weight_version``, ``/abort_request``.
@@ -19,6 +20,9 @@ platform), 503 (engine dead) and 504 (deadline missed), plus ``error_type``.
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import binascii
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -28,7 +32,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from rlinfer_core.errors import InvalidRequest, RLInferError
 from rlinfer_core.types import Completion, FinishReason, PauseMode
-from rlinfer_core.weights import BroadcastGroup, BroadcastSource, CheckpointDir, TensorSpec
+from rlinfer_core.weights import BroadcastGroup, BroadcastSource, CheckpointDir, NamedTensors, TensorSpec
 from rlinfer_server.app import ServerState
 from rlinfer_server.dialect_common import apply_update, error_status, hf_config, parse_version, state_of
 from rlinfer_server.dialects import Dialect
@@ -42,6 +46,7 @@ from rlinfer_server.sglang_schemas import (
     SglPauseBody,
     SglUpdateFromDiskBody,
     SglUpdateFromDistributedBody,
+    SglUpdateFromTensorBody,
     SglWeightVersionBody,
 )
 
@@ -139,6 +144,34 @@ async def update_weights_from_disk(body: SglUpdateFromDiskBody, request: Request
         return f"Succeeded to update model weights. Weight version updated to {new}."
 
     return await _outcome(run, num_paused_requests=0)
+
+
+@router.post("/update_weights_from_tensor")
+async def update_weights_from_tensor(body: SglUpdateFromTensorBody, request: Request) -> JSONResponse:
+    """Load named tensors shared by reference, all or nothing. This server is one receiver for
+    every TP rank, and SGLang's trainers send each rank the same full (unsharded) tensors, so the
+    first payload is read."""
+    state = state_of(request)
+
+    async def run() -> str:
+        from rlinfer_core.transfer.shared_tensors import load_named_tensors
+
+        if body.load_format not in (None, "direct"):
+            raise InvalidRequest(
+                "load_format", f"only (name, tensor) lists are read (null or 'direct'), got {body.load_format!r}"
+            )
+        try:
+            payload = base64.b64decode(body.serialized_named_tensors[0], validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise InvalidRequest("serialized_named_tensors", "must be standard base64") from exc
+        tensors = await asyncio.to_thread(load_named_tensors, payload)
+        version = parse_version(body.weight_version)
+        if body.abort_all_requests:
+            await state.engine.abort(None)
+        new = await apply_update(state, NamedTensors(tuple(tensors)), version, "tensor")
+        return f"Succeeded to update model weights. Weight version updated to {new}."
+
+    return await _outcome(run)
 
 
 @router.post("/init_weights_update_group")
@@ -389,6 +422,7 @@ CONTROL_PATHS = frozenset(
         "/update_weights_from_disk",
         "/init_weights_update_group",
         "/update_weights_from_distributed",
+        "/update_weights_from_tensor",
         "/begin_weight_update",
         "/end_weight_update",
         "/pause_generation",

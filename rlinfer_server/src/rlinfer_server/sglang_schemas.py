@@ -100,6 +100,19 @@ class SglUpdateFromDiskBody(Body):
     flush_cache: bool = True
 
 
+class SglUpdateFromTensorBody(Body):
+    """``POST /update_weights_from_tensor``: one base64 ``MultiprocessingSerializer`` payload per
+    TP rank (slime's colocated update)."""
+
+    serialized_named_tensors: list[str] = Field(min_length=1)
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    selector: Literal["target", "draft", "all"] = "all"
+    torch_empty_cache: bool = False
+
+
 class SglInitGroupBody(Body):
     """``POST /init_weights_update_group`` (AReaL sends ``master_port`` as a string)."""
 
@@ -129,16 +142,6 @@ class SglUpdateFromDistributedBody(Body):
     abort_all_requests: bool = False
     weight_version: str | None = None
     load_format: None = None  # "flattened_bucket" is not served (see docs/server.md)
-
-
-class SglUpdateFromTensorBody(Body):
-    """``POST /update_weights_from_tensor``: SGLang's serialized named tensors, one entry per TP rank."""
-
-    serialized_named_tensors: list[str]
-    load_format: str | None = None
-    flush_cache: bool = True
-    abort_all_requests: bool = False
-    weight_version: str | None = None
 
 
 class SglPauseBody(Body):
