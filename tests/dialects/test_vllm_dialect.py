@@ -405,3 +405,29 @@ def test_trainer_dying_mid_transfer_leaves_the_old_weights(
         assert c.post("/finish_weight_update", json={}).status_code == 409
         assert c.get("/weight_info").json() == version
         assert token_generate(c, **GREEDY)["choices"][0]["token_ids"] == before
+
+
+def test_skyrl_collective_rpc_weight_sync(
+    server: DialectServer, oracle: Oracle, tiny_models: tuple[Path, Path]
+) -> None:
+    """SkyRL's sequence through ``/collective_rpc`` (its worker-extension methods): start,
+    ``update_weights_nccl`` while the trainer broadcasts, finish; the new weights serve. An
+    unknown method is refused with the methods served."""
+    if server.is_reference:
+        pytest.skip("vLLM's own workers have no SkyRL extension loaded, and its transfer needs an accelerator")
+    with server.client(timeout=300) as c, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        refused = c.post("/collective_rpc", json={"method": "load_format_magic"})
+        assert refused.status_code == 501 and "skyrl_start_weight_update" in refused.text
+        before = token_generate(c, **GREEDY)["choices"][0]["token_ids"]
+        model = next(m for m in tiny_models if oracle.greedy(m, PROMPT, 8)[0] != before)
+        tensors = _tensors(model)
+        with _joined(c, pool) as sender:
+            rpc = {"method": "skyrl_start_weight_update", "kwargs": {"is_checkpoint_format": True}}
+            assert c.post("/collective_rpc", json=rpc).json() == {"results": [None]}
+            rpc = {"method": "update_weights_nccl", "kwargs": {"update_info": _update_info(tensors)}, "timeout": 120}
+            update = pool.submit(c.post, "/collective_rpc", json=rpc)
+            sender.send(tensors)
+            assert update.result(timeout=180).status_code == 200
+            done = c.post("/collective_rpc", json={"method": "skyrl_finish_weight_update"})
+            assert done.status_code == 200, done.text
+        assert token_generate(c, **GREEDY)["choices"][0]["token_ids"] == oracle.greedy(model, PROMPT, 8)[0]

@@ -18,14 +18,15 @@ update, all or nothing, labelled with its ``weight_version``.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from rlinfer_core.capability import Capabilities, Capability
-from rlinfer_core.errors import RLInferError
-from rlinfer_core.types import EngineConfig, PauseMode
+from rlinfer_core.errors import EngineTimeout, RLInferError, UnsupportedCapability
+from rlinfer_core.types import EngineConfig, MemoryTag, PauseMode
 from rlinfer_server.dialect_common import VersionConflict, error_status, parse_version, state_of
 from rlinfer_server.dialects import Dialect
 from rlinfer_server.vllm_generate import VllmGenerateBody, generate_answer, generate_requests
@@ -253,6 +254,58 @@ async def finish_weight_update(
     return JSONResponse({"message": "Weight update finished"})
 
 
+#: SkyRL's worker-extension methods (``POST /collective_rpc``), each served by what does the same here
+SKYRL_METHODS = (
+    "skyrl_start_weight_update",
+    "update_weights_nccl",
+    "skyrl_finish_weight_update",
+    "skyrl_sleep_for_weight_sync",
+    "skyrl_wake_for_weight_sync",
+)
+
+
+@router.post("/collective_rpc")
+async def collective_rpc(
+    request: Request,
+    method: Annotated[str, Body()],
+    args: Annotated[list[Any], Body()] = [],  # noqa: B006  (FastAPI copies defaults)
+    kwargs: Annotated[dict[str, Any], Body()] = {},  # noqa: B006
+    timeout: Annotated[float | None, Body()] = None,
+) -> JSONResponse:
+    """The RPCs trainers send to vLLM's workers, where a trainer needs them: SkyRL's weight-sync
+    methods (:data:`SKYRL_METHODS`) map onto this server's weight session and memory control.
+    There are no vLLM workers to call here, so any other method is 501. Answers vLLM's
+    ``{"results": [...]}``, one result (the server is one rank)."""
+    state, session = state_of(request), session_of(request.app)
+
+    async def call() -> None:
+        if method == "skyrl_start_weight_update":
+            session.start(state)
+        elif method == "update_weights_nccl":
+            await session.receive(kwargs.get("update_info", args[0] if args else None))
+        elif method == "skyrl_finish_weight_update":
+            await session.finish(state, None)
+        elif method == "skyrl_sleep_for_weight_sync":
+            if kwargs.get("offload_kv", True):
+                await state.engine.release_memory([MemoryTag.KV_CACHE])
+        elif method == "skyrl_wake_for_weight_sync":
+            await state.engine.resume_memory(kwargs.get("tags") or None)
+        else:
+            raise UnsupportedCapability(
+                f"collective_rpc.{method}",
+                "rlinfer serve",
+                f"rlinfer serve runs no vLLM workers to call; served methods: {list(SKYRL_METHODS)}",
+            )
+
+    try:
+        await asyncio.wait_for(call(), timeout=timeout)
+    except TimeoutError:
+        return _error(EngineTimeout(f"collective_rpc {method} took longer than {timeout} s"))
+    except RLInferError as exc:
+        return _error(exc)
+    return JSONResponse({"results": [None]})
+
+
 @router.post("/update_weight_version")
 async def update_weight_version(request: Request, new_version: Annotated[str, Body(embed=True)]) -> JSONResponse:
     """The current version is accepted (a no-op); rlinfer versions move only with an update
@@ -299,6 +352,7 @@ CONTROL_PATHS = frozenset(
         "/update_weights",
         "/finish_weight_update",
         "/update_weight_version",
+        "/collective_rpc",
     }
 )
 GENERATE_PATHS = frozenset(
