@@ -54,13 +54,15 @@ def test_cpu_capabilities_say_no_memory_release() -> None:
     assert "frees no memory" in caps.notes[Capability.MEMORY_RELEASE.value]
     derived = {Capability.SESSIONS, Capability.SCORE, Capability.WEIGHTS_DELTA}  # added by the facade
     gpu_only = {Capability.MEMORY_RELEASE, Capability.MEMORY_DISCARD_WEIGHTS, Capability.DETERMINISTIC}
-    not_claimed = {Capability.GENERATE_ROUTED_EXPERTS}  # CPU: no Model Runner V2; CUDA: unverified
+    # routes: CPU has no Model Runner V2 (CUDA: unverified); stop_regex: vLLM has none;
+    # priority: only with priority_scheduling (the engine's scheduling policy)
+    not_claimed = {Capability.GENERATE_ROUTED_EXPERTS, Capability.STOP_REGEX, Capability.PRIORITY}
     assert {c for c in Capability if c not in derived | gpu_only | not_claimed} <= caps.supported
     for platform in ("cpu", "cuda"):
         routes = capabilities(platform, "vllm 0.32.0", inprocess=True)  # type: ignore[arg-type]
         assert not routes.supports(Capability.GENERATE_ROUTED_EXPERTS)
         assert routes.notes[Capability.GENERATE_ROUTED_EXPERTS.value]
-    assert not gpu_only & caps.supported and all(caps.notes[c.value] for c in gpu_only)
+    assert not gpu_only & caps.supported and all(caps.notes[c.value] for c in gpu_only | not_claimed)
 
 
 def test_agent_capabilities_in_process_only_and_lora_when_enabled() -> None:
