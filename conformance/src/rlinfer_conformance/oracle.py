@@ -109,6 +109,17 @@ class Oracle:
         logits: torch.Tensor = out.logits[0].float()
         return logits
 
+    def hidden_states(self, key: str, token_ids: Sequence[int]) -> torch.Tensor:
+        """Final-layer hidden states (float32, [len, hidden]) of model ``key`` over ``token_ids``:
+        the base model's ``last_hidden_state``, after the final norm (the LM head's input)."""
+        import torch
+
+        model = self._models[key]
+        with torch.inference_mode():
+            out = model.base_model(torch.tensor([list(token_ids)], dtype=torch.long))
+        states: torch.Tensor = out.last_hidden_state[0].float()
+        return states
+
     def greedy(self, key: str, prompt: Sequence[int], max_tokens: int, eos: Sequence[int] = ()) -> list[int]:
         """Greedy continuation of ``prompt`` (stops after an ``eos`` token)."""
         ids = list(prompt)

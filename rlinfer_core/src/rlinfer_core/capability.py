@@ -45,6 +45,9 @@ class Capability(enum.StrEnum):
     #: SamplingParams.return_routed_experts: Completion.routed_experts of an MoE model, in the one
     #: alignment of :mod:`rlinfer_core.routing` (needs EngineConfig.enable_routed_experts)
     GENERATE_ROUTED_EXPERTS = "generate.routed_experts"
+    #: SamplingParams.return_hidden_states: Completion.hidden_states (and prompt_hidden_states), the
+    #: final-layer states of :mod:`rlinfer_core.hidden_states` (needs EngineConfig.enable_hidden_states)
+    GENERATE_HIDDEN_STATES = "generate.hidden_states"
     PREFIX_CACHE_RESET = "prefix_cache.reset"
     SAMPLING_MIN_P = "sampling.min_p"
     SAMPLING_PENALTIES = "sampling.penalties"  #: repetition, presence and frequency penalties

@@ -90,6 +90,8 @@ class AsyncEngine(EngineAgent, EngineWeights):
             engine.capabilities.require(Capability.DETERMINISTIC)
         if config.enable_routed_experts:
             engine.capabilities.require(Capability.GENERATE_ROUTED_EXPERTS)
+        if config.enable_hidden_states:
+            engine.capabilities.require(Capability.GENERATE_HIDDEN_STATES)
         if config.priority_scheduling:
             engine.capabilities.require(Capability.PRIORITY)
         engine._discarded = config.load_format == "dummy"  # random weights: generate waits for an update
@@ -198,6 +200,8 @@ class AsyncEngine(EngineAgent, EngineWeights):
         self.capabilities.require(Capability.STREAM)
         if request.sampling.return_routed_experts:  # deltas carry no routes
             raise InvalidRequest("return_routed_experts", "routes come with generate(), not with stream()")
+        if request.sampling.return_hidden_states:  # nor hidden states
+            raise InvalidRequest("return_hidden_states", "hidden states come with generate(), not with stream()")
         self._validate_request(request)
         impl = present(self._stream_impl, "rlinfer_generate_stream", self.backend_name)
         return self._stream(impl, request)

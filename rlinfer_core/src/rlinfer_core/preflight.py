@@ -89,6 +89,8 @@ def request_capabilities(request: GenerateRequest) -> list[Capability]:
         needed.append(Capability.SAMPLING_LOGIT_BIAS)
     if s.return_routed_experts:
         needed.append(Capability.GENERATE_ROUTED_EXPERTS)
+    if s.return_hidden_states:
+        needed.append(Capability.GENERATE_HIDDEN_STATES)
     if s.logprobs_mode is LogprobsMode.RAW:
         needed.append(Capability.LOGPROBS_RAW)
     elif s.truncates and not s.greedy:

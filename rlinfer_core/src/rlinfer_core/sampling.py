@@ -151,12 +151,20 @@ class SamplingParams:
     #: return Completion.routed_experts, the experts each token was routed to (capability
     #: generate.routed_experts; alignment in :mod:`rlinfer_core.routing`)
     return_routed_experts: bool = attrs.field(default=False, validator=v.instance_of(bool, "a bool (True or False)"))
+    #: return Completion.hidden_states, the final-layer hidden state that produced each generated
+    #: token (capability generate.hidden_states; alignment in :mod:`rlinfer_core.hidden_states`)
+    return_hidden_states: bool = attrs.field(default=False, validator=v.instance_of(bool, "a bool (True or False)"))
+    #: also return Completion.prompt_hidden_states, one row per prompt position (needs
+    #: return_hidden_states)
+    prompt_hidden_states: bool = attrs.field(default=False, validator=v.instance_of(bool, "a bool (True or False)"))
 
     def __attrs_post_init__(self) -> None:
         if self.top_k == 0:
             raise InvalidRequest("top_k", "must be -1 (disabled) or >= 1, got 0")
         if self.prompt_top_logprobs and not self.prompt_logprobs:
             raise InvalidRequest("prompt_top_logprobs", "needs prompt_logprobs=True")
+        if self.prompt_hidden_states and not self.return_hidden_states:
+            raise InvalidRequest("prompt_hidden_states", "needs return_hidden_states=True")
         if self.min_tokens > self.max_tokens:
             raise InvalidRequest("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:

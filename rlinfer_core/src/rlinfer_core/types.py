@@ -18,6 +18,7 @@ from rlinfer_core.assignments import parse_assignments as parse_assignments
 from rlinfer_core.capability import Capabilities as Capabilities
 from rlinfer_core.capability import Capability as Capability
 from rlinfer_core.errors import InvalidRequest
+from rlinfer_core.hidden_states import HiddenStates
 from rlinfer_core.routing import RoutedExperts
 from rlinfer_core.sampling import MAX_N as MAX_N
 from rlinfer_core.sampling import MAX_TOP_LOGPROBS as MAX_TOP_LOGPROBS
@@ -174,6 +175,11 @@ class Completion:
     #: [prompt + completion tokens, layers, top_k] expert ids when the request asked for them
     #: (SamplingParams.return_routed_experts); alignment and sentinel: :mod:`rlinfer_core.routing`
     routed_experts: RoutedExperts | None = None
+    #: [completion tokens, hidden] final-layer states that produced each token, and [prompt
+    #: tokens, hidden] per prompt position (SamplingParams.return_hidden_states /
+    #: prompt_hidden_states); alignment: :mod:`rlinfer_core.hidden_states`
+    hidden_states: HiddenStates | None = None
+    prompt_hidden_states: HiddenStates | None = None
 
 
 @attrs.frozen
@@ -276,6 +282,9 @@ class EngineConfig:
     #: start the engine able to return routed experts (SamplingParams.return_routed_experts) for an
     #: MoE model; refused where Capability.GENERATE_ROUTED_EXPERTS is not supported
     enable_routed_experts: bool = False
+    #: start the engine able to return hidden states (SamplingParams.return_hidden_states);
+    #: refused where Capability.GENERATE_HIDDEN_STATES is not supported
+    enable_hidden_states: bool = attrs.field(default=False, validator=v.instance_of(bool, "true or false"))
     #: start the engine's priority scheduler (vLLM scheduling_policy="priority", SGLang
     #: --enable-priority-scheduling), so that GenerateRequest.priority is honoured (capability
     #: generate.priority); off, the engines queue first come, first served and refuse priorities

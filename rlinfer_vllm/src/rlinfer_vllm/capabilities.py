@@ -88,6 +88,13 @@ PRIORITY_OFF_NOTE = (
 )
 
 SHARED_NOTES = {
+    Capability.GENERATE_HIDDEN_STATES.value: (
+        "vLLM 0.32 has no per-request hidden-state output: neither SamplingParams nor RequestOutput carries "
+        "one. Its only path, the engine-wide 'extract_hidden_states' speculative method with its example "
+        "KV connector, writes chosen intermediate layers' states of the prompt to safetensors files (for "
+        "training EAGLE drafters), not the final-layer state of every generated token; use SGLang "
+        "(EngineConfig.enable_hidden_states)"
+    ),
     Capability.STOP_REGEX.value: (
         "vLLM 0.32's SamplingParams has no stop_regex (stop strings and stop token ids only); use "
         "SGLang, or stop strings"

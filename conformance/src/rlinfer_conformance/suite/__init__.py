@@ -11,6 +11,7 @@ from rlinfer_conformance.suite.test_discard_weights import *  # noqa: F403
 from rlinfer_conformance.suite.test_faults import *  # noqa: F403
 from rlinfer_conformance.suite.test_fidelity import *  # noqa: F403
 from rlinfer_conformance.suite.test_generate import *  # noqa: F403
+from rlinfer_conformance.suite.test_hidden_states import *  # noqa: F403
 from rlinfer_conformance.suite.test_invalid import *  # noqa: F403
 from rlinfer_conformance.suite.test_lifecycle import *  # noqa: F403
 from rlinfer_conformance.suite.test_memory import *  # noqa: F403

@@ -75,6 +75,7 @@ PROBES: dict[Capability, Callable[[KitWorld], Any]] = {
     ),
     Capability.DETERMINISTIC: _deterministic,
     Capability.GENERATE_ROUTED_EXPERTS: _gen(return_routed_experts=True),
+    Capability.GENERATE_HIDDEN_STATES: _gen(return_hidden_states=True),
     Capability.PREFIX_CACHE_RESET: lambda w: w.engine.reset_prefix_cache(),
     Capability.WEIGHTS_CHECKSUM: lambda w: w.engine.verify_weights(w.oracle.named_parameters(BASE)),
     Capability.SAMPLING_MIN_P: _gen(temperature=1.0, min_p=0.1),
