@@ -36,6 +36,7 @@ from rlinfer_core.weights import (
 from rlinfer_sglang import convert
 from rlinfer_sglang.agent import AgentHooks
 from rlinfer_sglang.capabilities import (
+    HIDDEN_STATES_OFF_NOTE,
     OVERLAP_NOTE,
     PAUSE_KEEP_OLD_SGLANG_NOTE,
     PRIORITY_OFF_NOTE,
@@ -194,6 +195,8 @@ class SGLangBackend(Supervision, Generation, Memory, AgentHooks):
                 if self.config.enable_routed_experts
                 else ROUTES_OFF_NOTE
             )
+        if not getattr(getattr(self._tm, "server_args", None), "enable_return_hidden_states", False):
+            off[Capability.GENERATE_HIDDEN_STATES] = HIDDEN_STATES_OFF_NOTE
         return self._caps.without(off)
 
     @hookimpl

@@ -177,7 +177,21 @@ ROUTES_OFF_NOTE = (
     "EngineConfig(enable_routed_experts=True) on an MoE model"
 )
 
+HIDDEN_STATES_NOTE = (
+    "SGLang's hidden-state output (--enable-return-hidden-states, per request return_hidden_states): the "
+    "final-norm output that feeds the LM head; needs EngineConfig(enable_hidden_states=True). A request "
+    "asking for prompt_hidden_states is prefilled whole (no prefix-cache hit), as SGLang reports states "
+    "only for the positions it computes"
+)
+HIDDEN_STATES_CUDA_NOTE = (
+    f"not claimed: mapped, but the kit's hidden-states test has not run on a GPU; {HIDDEN_STATES_NOTE}"
+)
+HIDDEN_STATES_OFF_NOTE = (
+    "the engine was started without hidden-state output: open it with EngineConfig(enable_hidden_states=True)"
+)
+
 CPU_NOTES = {
+    Capability.GENERATE_HIDDEN_STATES.value: HIDDEN_STATES_NOTE,
     Capability.GENERATE_ROUTED_EXPERTS.value: ROUTES_CPU_NOTE,
     Capability.DETERMINISTIC.value: DETERMINISTIC_CPU_NOTE,
     Capability.MEMORY_RELEASE.value: (
@@ -192,6 +206,7 @@ CPU_NOTES = {
 }
 
 CUDA_NOTES = {
+    Capability.GENERATE_HIDDEN_STATES.value: HIDDEN_STATES_CUDA_NOTE,
     Capability.GENERATE_ROUTED_EXPERTS.value: ROUTES_CUDA_NOTE,
     Capability.DETERMINISTIC.value: DETERMINISTIC_CUDA_NOTE,
     Capability.MEMORY_RELEASE.value: (
@@ -279,7 +294,10 @@ def capabilities(
     ranks (EngineConfig.world_size; checksums need one).
     """
     if platform == "cpu":
-        supported_cpu = set(COMMON | SAMPLING | AGENT_CPU) | {Capability.GENERATE_ROUTED_EXPERTS}
+        supported_cpu = set(COMMON | SAMPLING | AGENT_CPU) | {
+            Capability.GENERATE_ROUTED_EXPERTS,
+            Capability.GENERATE_HIDDEN_STATES,
+        }
         if tensor_parallel_size == 1:
             supported_cpu.add(Capability.WEIGHTS_CHECKSUM)
         notes_cpu = {

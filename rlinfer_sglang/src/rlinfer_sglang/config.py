@@ -26,6 +26,7 @@ enable_memory_release (CUDA)   enable_memory_saver=True, enable_weights_cpu_back
 enforce_eager                  disable_cuda_graph=True
 deterministic                  enable_deterministic_inference=True
 enable_routed_experts (MoE)    enable_return_routed_experts=True (on CPU: see cpu_routes)
+enable_hidden_states           enable_return_hidden_states=True
 engine_kwargs                  passed through unchanged (they win)
 =============================  ===============================================================
 
@@ -207,6 +208,8 @@ def server_args(config: EngineConfig, platform: Platform) -> dict[str, Any]:
     routes = config.enable_routed_experts and moe_shape(config.model) is not None
     if routes:
         args["enable_return_routed_experts"] = True
+    if config.enable_hidden_states:
+        args["enable_return_hidden_states"] = True
     args.update(config.engine_kwargs)
     loaders = list(args.get("custom_weight_loader") or [])
     if WEIGHT_LOADER not in loaders:

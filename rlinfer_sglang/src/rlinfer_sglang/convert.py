@@ -9,6 +9,7 @@ from typing import Any
 
 import attrs
 
+from rlinfer_core.hidden_states import HiddenStates, split_positions
 from rlinfer_core.routing import RoutedExperts, aligned
 from rlinfer_core.types import Completion, CompletionDelta, FinishReason, GenerateRequest, LogprobsMode
 from rlinfer_sglang.agent import structured_params
@@ -153,7 +154,9 @@ def logprob_args(request: GenerateRequest, processor: str | None = None) -> dict
     s = request.sampling
     args: dict[str, Any] = {
         "return_logprob": True,
-        "logprob_start_len": 0 if s.prompt_logprobs else -1,
+        # from 0, SGLang also matches no cached prefix: every prompt position is computed, so
+        # prompt hidden states cover the whole prompt
+        "logprob_start_len": 0 if s.prompt_logprobs or s.prompt_hidden_states else -1,
         # one count for output and prompt positions: the larger, each cut to its own on return
         "top_logprobs_num": max(s.logprobs, s.prompt_top_logprobs),
         "custom_logit_processor": processor if custom_params(request) else None,
@@ -352,3 +355,28 @@ def routed_experts(
 
     rows = np.frombuffer(base64.b64decode(encoded), dtype=np.int32) if encoded else np.zeros(0, np.int32)
     return aligned(rows, 0, num_tokens, *shape)
+
+
+def hidden_states(
+    request: GenerateRequest, meta: Mapping[str, Any], prompt_len: int, output_len: int, hidden_size: int
+) -> tuple[HiddenStates | None, HiddenStates | None]:
+    """``(prompt_hidden_states, hidden_states)`` of one output in rlinfer's alignment
+    (:mod:`rlinfer_core.hidden_states`), both None unless the request asked. SGLang's
+    ``meta_info.hidden_states`` holds one ``[positions, hidden]`` list per prefill chunk it computed
+    (the last one ends at the prompt's last position; cached positions have none), then one row per
+    decode step (the state at each fed-back generated token)."""
+    if not request.sampling.return_hidden_states:
+        return None, None
+    import numpy as np
+
+    prefill: list[Any] = []
+    decode: list[Any] = []
+    for entry in meta.get("hidden_states") or ():
+        rows = np.asarray(entry, dtype=np.float32)
+        (prefill if rows.ndim == 2 else decode).append(rows.reshape(-1, hidden_size))
+    computed = prefill + decode
+    rows = np.concatenate(computed) if computed else np.empty((0, hidden_size), np.float32)
+    start = prompt_len - sum(len(p) for p in prefill)
+    return split_positions(
+        rows, start, prompt_len, output_len, hidden_size, with_prompt=request.sampling.prompt_hidden_states
+    )

@@ -13,6 +13,7 @@ import attrs
 
 from rlinfer_core.chat_template import prompt_ids
 from rlinfer_core.errors import RLInferError
+from rlinfer_core.hidden_states import hidden_size
 from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.merge import merge
 from rlinfer_core.preflight import check_kv_room
@@ -86,7 +87,16 @@ class Generation(InFlight):
                 routes = convert.routed_experts(
                     r, outs[k].get("meta_info") or {}, len(ids) + len(c.token_ids), self._route_shape()
                 )
-                c = attrs.evolve(c, token_versions=self._versions.of(rids[k], len(c.token_ids)), routed_experts=routes)
+                prompt_states, states = convert.hidden_states(
+                    r, outs[k].get("meta_info") or {}, len(ids), len(c.token_ids), self._hidden_size(r)
+                )
+                c = attrs.evolve(
+                    c,
+                    token_versions=self._versions.of(rids[k], len(c.token_ids)),
+                    routed_experts=routes,
+                    hidden_states=states,
+                    prompt_hidden_states=prompt_states,
+                )
             else:
                 c = convert.aborted_before_output(r, i, ids, latency)
             completions.append(c)
@@ -119,6 +129,7 @@ class Generation(InFlight):
             rid=rids,
             # one flag for the whole batch in SGLang; routes are kept only where asked
             return_routed_experts=any(r.sampling.return_routed_experts for r, _, _ in samples),
+            return_hidden_states=[r.sampling.return_hidden_states for r, _, _ in samples],
             **{key: [a[key] for a in args] for key in args[0]},
             **convert.priority_arg(samples[0][0], self._priority_sign),
         )
@@ -173,6 +184,15 @@ class Generation(InFlight):
         """(layers, top_k) of the served MoE model's routes; None for a dense model."""
         return moe_shape(self.config.model)
 
+    def _hidden_size(self, request: GenerateRequest) -> int:
+        """The served model's hidden size (0 when the request asks for no hidden states)."""
+        if not request.sampling.return_hidden_states:
+            return 0
+        size = getattr(getattr(self._tm, "model_config", None), "hidden_size", None) or hidden_size(self.config.model)
+        if not size:
+            raise RLInferError(f"the hidden size of {self.config.model!r} is unknown (no config.json hidden_size)")
+        return int(size)
+
     def _params(self, request: GenerateRequest, ids: list[int]) -> dict[str, Any]:
         assert self._info is not None
         return convert.sampling_params(request, len(ids), self._max_len(), self._info.vocab_size)
@@ -196,6 +216,7 @@ class Generation(InFlight):
             rid=rid,
             stream=stream,
             return_routed_experts=request.sampling.return_routed_experts,
+            return_hidden_states=request.sampling.return_hidden_states,
             **convert.logprob_args(request, self._processor()),
             **convert.priority_arg(request, self._priority_sign),
         )

@@ -57,13 +57,12 @@ def test_cpu_capabilities_are_honest() -> None:
     assert not caps.supports(Capability.SEEDED_SAMPLING)
     assert "frees nothing" in caps.notes[Capability.MEMORY_RELEASE.value]
     assert "deterministic" in caps.notes[Capability.SEEDED_SAMPLING.value]
-    assert COMMON | SAMPLING | AGENT_CPU | {Capability.WEIGHTS_CHECKSUM, Capability.GENERATE_ROUTED_EXPERTS} == (
-        caps.supported
-    )
+    outputs = {Capability.GENERATE_ROUTED_EXPERTS, Capability.GENERATE_HIDDEN_STATES}
+    assert COMMON | SAMPLING | AGENT_CPU | {Capability.WEIGHTS_CHECKSUM} | outputs == caps.supported
     assert "pin_memory" in caps.notes[Capability.LORA.value], "lora: the measured reason"
     assert caps.notes[Capability.LOGPROBS_PROCESSED.value] and caps.notes[Capability.WEIGHTS_CHECKSUM.value]
     cuda = capabilities("cuda", "sglang 0.5.16")
-    unverified = SAMPLING | AGENT_CPU | {Capability.WEIGHTS_CHECKSUM, Capability.GENERATE_ROUTED_EXPERTS}
+    unverified = SAMPLING | AGENT_CPU | {Capability.WEIGHTS_CHECKSUM} | outputs
     assert not unverified & cuda.supported, "claimed only where verified"
     assert not capabilities("cpu", "sglang 0.5.23", tensor_parallel_size=2).supports(Capability.WEIGHTS_CHECKSUM)
     for pause in (Capability.PAUSE_ABORT, Capability.PAUSE_WAIT, Capability.PAUSE_KEEP):

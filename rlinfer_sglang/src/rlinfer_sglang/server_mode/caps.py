@@ -71,6 +71,8 @@ def server_capabilities(
         )
         for capability in WEIGHT_CAPS:
             drop[capability] = why
+    if not info.get("enable_return_hidden_states", False):
+        drop[Capability.GENERATE_HIDDEN_STATES] = "the server was started without --enable-return-hidden-states"
     if not info.get("enable_deterministic_inference", False):
         drop[Capability.DETERMINISTIC] = "the server was started without --enable-deterministic-inference"
     if base.platform == "cuda" and not info.get("enable_memory_saver", False):

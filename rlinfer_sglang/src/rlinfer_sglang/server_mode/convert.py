@@ -39,6 +39,7 @@ def sample_body(
         "sampling_params": params,
         "rid": rid,
         "stream": stream,
+        "return_hidden_states": request.sampling.return_hidden_states,
         **convert.logprob_args(request, processor),
     }
 

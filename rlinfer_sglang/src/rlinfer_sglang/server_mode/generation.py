@@ -18,6 +18,7 @@ from typing import Any
 import attrs
 
 from rlinfer_core.errors import InvalidRequest, RLInferError
+from rlinfer_core.hidden_states import hidden_size
 from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.merge import merge
 from rlinfer_core.preflight import check_kv_room
@@ -67,6 +68,15 @@ class Generation(InFlight):
     def _params(self, request: GenerateRequest, ids: list[int]) -> dict[str, Any]:
         assert self._info is not None
         return convert.sampling_params(request, len(ids), self._max_len(), self._info.vocab_size)
+
+    def _hidden_size(self, request: GenerateRequest) -> int:
+        """The served model's hidden size (0 when the request asks for no hidden states)."""
+        if not request.sampling.return_hidden_states:
+            return 0
+        size = hidden_size(self.config.model)
+        if size is None:
+            raise RLInferError(f"the hidden size of {self.config.model!r} is unknown (no config.json hidden_size)")
+        return size
 
     def _body(self, request: GenerateRequest, ids: list[int], rid: str, stream: bool) -> dict[str, Any]:
         body = wire.sample_body(request, ids, self._params(request, ids), rid, self._processor(), stream)
@@ -122,7 +132,10 @@ class Generation(InFlight):
                 versions = wire.expand_versions(outs[k].get("meta_info") or {}, len(c.token_ids))
                 if versions is None:  # no spans from this SGLang: the loader's record
                     versions = self._versions.of(rids[k], len(c.token_ids))
-                c = attrs.evolve(c, token_versions=versions)
+                prompt_states, states = convert.hidden_states(
+                    r, outs[k].get("meta_info") or {}, len(ids), len(c.token_ids), self._hidden_size(r)
+                )
+                c = attrs.evolve(c, token_versions=versions, hidden_states=states, prompt_hidden_states=prompt_states)
             else:
                 c = convert.aborted_before_output(r, i, ids, latency)
             completions.append(c)
