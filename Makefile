@@ -145,9 +145,10 @@ test-dialects-full: env-vllm env-sglang
 	timeout 1200 $(VENVS)/vllm/bin/python -m pytest tests/dialects/test_vllm_dialect.py -q -p no:cacheprovider
 
 # routing replay over `rlinfer serve --backend sglang` on a tiny Qwen3-MoE: the OpenAI field, SGLang's
-# and vLLM's generate formats, the refusal without capture (three servers, ~3 min on 2 loaded cores)
+# and vLLM's generate formats, the refusal without capture (three servers, ~3 min on 2 loaded cores);
+# hidden states over SGLang's /generate on the tiny Llama and the refusal without them (two servers, ~30 s)
 test-server-sglang: env-sglang
-	timeout 900 $(VENVS)/sglang/bin/python -m pytest tests/dialects/test_routed_experts.py -q -p no:cacheprovider
+	timeout 900 $(VENVS)/sglang/bin/python -m pytest tests/dialects/test_routed_experts.py tests/dialects/test_hidden_states.py -q -p no:cacheprovider
 
 # rlinfer as a verl rollout (rlinfer_verl, docs/verl.md): `import verl` discovers the plugin; verl's
 # replica, the server actor and the trainer's adapter over a real vLLM CPU engine on a local Ray

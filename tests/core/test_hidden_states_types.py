@@ -79,3 +79,41 @@ def test_hidden_size_reads_the_config(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64}))
     assert hidden_size(str(tmp_path)) == 64
     assert hidden_size(str(tmp_path / "absent")) is None
+
+
+def test_rlinfer_serve_sglang_generate_passes_hidden_states_through() -> None:
+    """``--dialect sglang``'s /generate (no engine): ``return_hidden_states`` asks for output and
+    prompt rows; the answer lays them out as SGLang does for an uncached prefill."""
+    from rlinfer_server.sglang_generate import answer_of, generate_plan
+    from rlinfer_server.sglang_schemas import SglGenerateBody
+
+    body = SglGenerateBody.model_validate(
+        {"input_ids": [1, 2, 3], "return_hidden_states": True, "sampling_params": {"max_new_tokens": 3}}
+    )
+    plan = generate_plan(body, tokens=None)  # type: ignore[arg-type]  # ids: no tokenizer
+    (request,) = plan.requests
+    assert request.sampling.return_hidden_states and request.sampling.prompt_hidden_states
+    rows = np.arange(5 * 2, dtype=np.float32).reshape(5, 2)  # positions 0..4 of 3 prompt + 3 output tokens
+    prompt, output = split_positions(rows, 0, 3, 3, 2, with_prompt=True)
+    completion = Completion(
+        request.request_id,
+        0,
+        (1, 2, 3),
+        (4, 5, 6),
+        (-0.1,) * 3,
+        FinishReason.LENGTH,
+        hidden_states=output,
+        prompt_hidden_states=prompt,
+    )
+
+    class _NoTextTokens:  # a stand-in tokenizer: no text is decoded here
+        def decode(self, ids: object, skip: bool) -> str:
+            return ""
+
+    answer = answer_of(completion, plan.plans[0], _NoTextTokens(), "id")  # type: ignore[arg-type]
+    assert answer["meta_info"]["hidden_states"] == [rows[:3].tolist(), rows[3].tolist(), rows[4].tolist()]
+    streamed = SglGenerateBody.model_validate(
+        {"input_ids": [1, 2], "stream": True, "return_hidden_states": True, "sampling_params": {"max_new_tokens": 2}}
+    )
+    with pytest.raises(InvalidRequest, match="return_hidden_states"):
+        generate_plan(streamed, tokens=None)  # type: ignore[arg-type]

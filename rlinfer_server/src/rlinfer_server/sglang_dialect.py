@@ -394,6 +394,7 @@ async def server_info(request: Request) -> dict[str, Any]:
         "disable_radix_cache": not config.enable_prefix_caching,
         "enable_memory_saver": config.enable_memory_release,
         "enable_return_routed_experts": config.enable_routed_experts,
+        "enable_return_hidden_states": config.enable_hidden_states,
         "disaggregation_mode": "null",
         "encoder_only": False,
         "skip_tokenizer_init": False,

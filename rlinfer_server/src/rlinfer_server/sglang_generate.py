@@ -3,7 +3,9 @@ answer (``text``, ``output_ids``, ``meta_info`` with ``finish_reason``, token co
 ``output_token_logprobs`` ``[[logprob, token_id, text|None]...]``, ``weight_version`` and
 ``weight_versions`` spans; ``routed_experts`` when ``return_routed_experts``: base64 of int32
 ``[positions, layers, top_k]`` for positions ``[routed_experts_start_len, prompt + output - 1)``,
-as SGLang's detokenizer encodes it; :func:`rlinfer_core.routing.engine_rows`).
+as SGLang's detokenizer encodes it; :func:`rlinfer_core.routing.engine_rows`); ``hidden_states``
+when ``return_hidden_states``: SGLang's layout of an uncached prefill, ``[prompt rows]`` then one
+row per decode step (:func:`hidden_states_of`).
 
 Batches behave as SGLang's: a list of prompts (or ``n`` > 1) answers a list, prompt-major (the
 ``n`` samples of prompt *i* are contiguous); one prompt with ``n`` = 1 answers one object.
@@ -41,6 +43,8 @@ class PromptPlan:
     stop: tuple[str, ...]
     #: first position of ``meta_info.routed_experts`` (None: routes not asked)
     routes_from: int | None = None
+    #: answer ``meta_info.hidden_states``
+    hidden_states: bool = False
 
 
 @attrs.frozen
@@ -185,6 +189,11 @@ def generate_plan(body: SglGenerateBody, tokens: Tokens) -> GeneratePlan:
         )
     if body.return_routed_experts:
         requests, plans = _with_routes(body, requests, plans)
+    if body.return_hidden_states:
+        if body.stream:
+            raise InvalidRequest("return_hidden_states", "hidden states come with batch answers, not when streaming")
+        requests = [attrs.evolve(r, sampling=_with_hidden_states(r.sampling)) for r in requests]
+        plans = [attrs.evolve(p, hidden_states=True) for p in plans]
     many = batched or any(r.sampling.n > 1 for r in requests)
     if body.stream and many:
         raise InvalidRequest("stream", "streaming takes one prompt with n = 1 here")
@@ -205,6 +214,19 @@ def _with_routes(
             raise InvalidRequest("routed_experts_start_len", f"must be in [0, {prompt}] (the prompt), got {start}")
     asked = [attrs.evolve(r, sampling=attrs.evolve(r.sampling, return_routed_experts=True)) for r in requests]
     return asked, [attrs.evolve(p, routes_from=start) for p in plans]
+
+
+def _with_hidden_states(sampling: SamplingParams) -> SamplingParams:
+    return attrs.evolve(sampling, return_hidden_states=True, prompt_hidden_states=True)
+
+
+def hidden_states_of(c: Completion) -> list[Any] | None:
+    """SGLang's ``meta_info.hidden_states`` of an uncached request: the prefill's rows (every
+    prompt position, one list), then one row per decode step (the states at the generated tokens
+    fed back: rlinfer's output rows but the first, which is the prompt's last)."""
+    if c.hidden_states is None or c.prompt_hidden_states is None:
+        return None
+    return [c.prompt_hidden_states.tolist(), *c.hidden_states.tolist()[1:]]
 
 
 def routes_base64(c: Completion, start: int) -> str | None:
@@ -289,6 +311,9 @@ def answer_of(c: Completion, plan: PromptPlan, tokens: Tokens, sample_id: str) -
     routes = None if plan.routes_from is None else routes_base64(c, plan.routes_from)
     if routes is not None:  # SGLang leaves the key out of an answer without routes
         meta["routed_experts"] = routes
+    states = hidden_states_of(c) if plan.hidden_states else None
+    if states is not None:
+        meta["hidden_states"] = states
     return {"text": _text(c, plan, tokens), "output_ids": list(c.token_ids), "meta_info": meta}
 
 

@@ -71,8 +71,9 @@ class SglGenerateBody(Body):
     #: ``meta_info.routed_experts`` (capability generate.routed_experts), rows from this position
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
+    #: ``meta_info.hidden_states`` (capability generate.hidden_states), as SGLang lays them out
+    return_hidden_states: bool = False
     # accepted at their neutral values only
-    return_hidden_states: Literal[False] = False
     token_ids_logprob: None = None
     image_data: None = None
     video_data: None = None
