@@ -20,7 +20,7 @@ from typing import Any
 import attrs
 
 from rlinfer_core.agent import attach_tool_calls, derive_capabilities
-from rlinfer_core.backend import AbortingBackend, StreamingBackend, claimed_but_missing, present
+from rlinfer_core.backend import StreamingBackend, claimed_but_missing, present
 from rlinfer_core.discovery import get_backend, plugin_objects
 from rlinfer_core.engine_agent import EngineAgent
 from rlinfer_core.engine_weights import EngineWeights
@@ -246,21 +246,13 @@ class AsyncEngine(EngineAgent, EngineWeights):
         ids = [request_ids] if isinstance(request_ids, str) else (None if request_ids is None else list(request_ids))
         targets = sorted(self._admission.in_flight) if ids is None else ids
         self._admission.abort_waiting(ids)
-        await self._abort_until_ended(impl, ids, targets, "abort")
-
-    async def _abort_until_ended(
-        self, impl: AbortingBackend, ids: list[str] | None, targets: Sequence[str], what: str
-    ) -> None:
-        """Abort ``ids`` (None: all the engine knows), then again until each of ``targets`` has
-        left the facade's in-flight set, bounded by ABORT_SETTLE_S.
-
-        A request accepted here may not be registered in the engine yet: the engine ignores an
-        unknown id, and "all" means all it knows. A backend need not retry an abort itself."""
-        await self._with_timeout(impl.rlinfer_abort(ids), 60.0, what)
+        await self._with_timeout(impl.rlinfer_abort(ids), 60.0, "abort")
+        # A request accepted here may not be registered in the engine yet (it ignores an unknown
+        # id, and "all" means all it knows): abort again until each target has ended, bounded.
         deadline = time.monotonic() + ABORT_SETTLE_S
         while (left := [i for i in targets if i in self._admission.in_flight]) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-            await self._with_timeout(impl.rlinfer_abort(left), 60.0, what)
+            await self._with_timeout(impl.rlinfer_abort(left), 60.0, "abort")
 
     async def pause(self, mode: PauseMode | str = PauseMode.ABORT) -> None:
         """Pause generation (see PauseMode for what happens to in-flight requests)."""
@@ -276,8 +268,7 @@ class AsyncEngine(EngineAgent, EngineWeights):
             await self._with_timeout(impl.rlinfer_pause(pause_mode), self.config.request_timeout_s, "pause")
             if pause_mode is PauseMode.ABORT and self._admission.in_flight:
                 aborter = present(self._abort_impl, "rlinfer_abort", self.backend_name)
-                targets = sorted(self._admission.in_flight)
-                await self._abort_until_ended(aborter, targets, targets, "pause(abort)")
+                await self._with_timeout(aborter.rlinfer_abort(sorted(self._admission.in_flight)), 60.0, "pause(abort)")
         except BaseException:
             self._admission.open_gate()
             raise

@@ -51,6 +51,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+#: how long abort() keeps re-aborting requests that were not registered in vLLM yet
+ABORT_SETTLE_S = 2.0
+
 #: how often calls look for exited engine processes (a dead worker -> EngineDead)
 PROCESS_CHECK_S = 0.2
 #: how long vLLM's own shutdown may take before rlinfer kills what is left of the engine
@@ -297,9 +300,16 @@ class VllmBackend(WeightHooks, MemoryHooks, BenchHooks, LoraHooks, Generation):
         self._gate.abort_waiting(ids)
         if not ids:
             return
-        # once: a request vLLM has not registered yet ignores it, and the facade aborts again
-        # until each target has ended (AsyncEngine._abort_until_ended)
         await llm.abort(ids)
+        # A request whose generate() began but that vLLM has not registered yet ignores the
+        # abort; abort again until every one of them has ended (bounded).
+        deadline = time.monotonic() + ABORT_SETTLE_S
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+            left = [i for i in ids if i in self._inflight]
+            if not left:
+                return
+            await llm.abort(left)
 
     @hookimpl
     async def rlinfer_pause(self, mode: PauseMode) -> None:

@@ -48,6 +48,8 @@ from rlinfer_vllm.server_mode.memory import ServerMemoryHooks
 from rlinfer_vllm.server_mode.stream import StreamVersions
 from rlinfer_vllm.server_mode.weights import ServerWeightHooks
 
+#: how long abort() keeps re-aborting requests that the server had not registered yet
+ABORT_SETTLE_S = 2.0
 #: how often calls look for exited server processes
 PROCESS_CHECK_S = 0.2
 #: a stream's token versions where vLLM's token endpoint reports no weight-version spans
@@ -353,9 +355,16 @@ class VllmServerBackend(ServerWeightHooks, ServerMemoryHooks):
         ids = list(self._inflight) if request_ids is None else list(request_ids)
         if not ids:
             return
-        # once: a request whose HTTP call is on its way is not registered in vLLM yet, and the
-        # facade aborts again until each target has ended (AsyncEngine._abort_until_ended)
         await http.post("/abort_requests", {"request_ids": [convert.engine_request_id(i) for i in ids]})
+        # a request whose HTTP call is on its way is not registered in vLLM yet; abort again
+        # until every one of them has ended (bounded)
+        deadline = time.monotonic() + ABORT_SETTLE_S
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+            left = [i for i in ids if i in self._inflight]
+            if not left:
+                return
+            await http.post("/abort_requests", {"request_ids": [convert.engine_request_id(i) for i in left]})
 
     @hookimpl
     async def rlinfer_pause(self, mode: PauseMode) -> None:
