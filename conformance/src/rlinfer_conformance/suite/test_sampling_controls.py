@@ -209,17 +209,22 @@ def test_priority_orders_the_queue(rlinfer_priority_world: KitWorld) -> None:
             future.add_done_callback(functools.partial(_record, finished, request.request_id))
             _wait_in_flight(w, request.request_id, running)
             futures.append(future)
-        time.sleep(0.5)  # both reach the engine's queue behind the blocker
+        time.sleep(1.0)  # both reach the engine's queue behind the blocker (over HTTP in server mode)
         premise = not running.done()
         w.engine.abort([blocker.request_id])
         (stopped,) = running.result(timeout=OP_TIMEOUT_S)
         results = [f.result(timeout=OP_TIMEOUT_S)[0] for f in futures]
         check_batch(w, [late, early], results)
         w.check_parity(None, [late, early], results)
+        last = attempt == TRIES - 1
         if premise and stopped.finish_reason is FinishReason.ABORT:
-            assert finished == [early.request_id, late.request_id], finished
-            return
-        assert attempt < TRIES - 1, "premise: the long request still ran when the others queued behind it"
+            # the early request may not have reached the engine's queue in time (a loaded machine):
+            # that try proves nothing, so try again; a wrong order in every try fails
+            if finished == [early.request_id, late.request_id] or last:
+                assert finished == [early.request_id, late.request_id], finished
+                return
+            continue
+        assert not last, "premise: the long request still ran when the others queued behind it"
 
 
 @pytest.mark.requires(Capability.ABORT)
