@@ -209,7 +209,7 @@ def test_priority_orders_the_queue(rlinfer_priority_world: KitWorld) -> None:
             future.add_done_callback(functools.partial(_record, finished, request.request_id))
             _wait_in_flight(w, request.request_id, running)
             futures.append(future)
-        time.sleep(1.0)  # both reach the engine's queue behind the blocker (over HTTP in server mode)
+        time.sleep(0.5)  # both reach the engine's queue behind the blocker
         premise = not running.done()
         w.engine.abort([blocker.request_id])
         (stopped,) = running.result(timeout=OP_TIMEOUT_S)
