@@ -26,7 +26,8 @@ import attrs
 from fastapi import FastAPI
 
 from rlinfer_core.errors import EngineTimeout, InvalidRequest
-from rlinfer_core.transfer.vllm_wire import DEFAULT_PACKED_BUFFER_SIZE_BYTES, NCCL_UNIQUE_ID_BYTES, Receiver
+from rlinfer_core.transfer.nccl_lib import NCCL_UNIQUE_ID_BYTES
+from rlinfer_core.transfer.vllm_wire import DEFAULT_PACKED_BUFFER_SIZE_BYTES, Receiver
 from rlinfer_core.types import EngineConfig
 from rlinfer_core.weights import BroadcastGroup, NamedTensors, TensorSpec
 from rlinfer_server.app import ServerState

@@ -31,12 +31,13 @@ _DTYPES = {
     "bfloat16": 9,
 }
 _SUM = 0  #: ncclRedOp_t ncclSum
+NCCL_UNIQUE_ID_BYTES = 128  #: NCCL_UNIQUE_ID_BYTES (nccl.h)
 
 
 class UniqueId(ctypes.Structure):
     """NCCL's ``ncclUniqueId``: 128 opaque bytes, passed by value."""
 
-    _fields_ = [("internal", ctypes.c_byte * 128)]
+    _fields_ = [("internal", ctypes.c_byte * NCCL_UNIQUE_ID_BYTES)]
 
 
 def _library() -> ctypes.CDLL:

@@ -42,7 +42,6 @@ DEFAULT_PACKED_BUFFER_SIZE_BYTES = 1024 * 1024 * 1024
 DEFAULT_PACKED_NUM_BUFFERS = 2
 #: where vLLM's rank 0 leaves the pickled ncclUniqueId (StatelessProcessGroup.broadcast_obj, first call)
 UNIQUE_ID_KEY = "broadcast_from/0/0"
-NCCL_UNIQUE_ID_BYTES = 128
 
 
 class Receiver(Protocol):
