@@ -19,8 +19,14 @@ more comparisons join the same runs when asked for:
   one engine, and ``pool_one`` (the same pool routed to replica 0 only: N replicas vs 1 on the
   same engines); weight updates to the N replicas vs the one engine.
 
-Needs a backend claiming ``Capability.BENCH`` (the raw-engine baselines). Medians (and min/max)
-of ``--runs`` timed runs after one warm-up of each side.
+Every ratio comes with its noise floor from the same runs: an A/A control, the raw side timed a
+second time (``raw_control``, ``raw_disk_control``) right after itself in the rotation, so
+raw/raw_control is alternated exactly like rlinfer/raw (:func:`rlinfer_demo.bench_sides.with_control`).
+Each paired ratio reports median, IQR, bootstrap 95 % CI and min-max, and ``vs_control``: whether
+it is distinguishable from the control (:mod:`rlinfer_demo.bench_stats`).
+
+Needs a backend claiming ``Capability.BENCH`` (the raw-engine baselines). ``--runs`` timed runs
+after one warm-up of each side.
 """
 
 from __future__ import annotations
@@ -46,11 +52,12 @@ from rlinfer_demo.bench_sides import (
     UpdateSide,
     machine_load,
     make_batch,
-    paired,
     spread,
     time_generate,
     time_updates,
+    with_control,
 )
+from rlinfer_demo.bench_stats import describe, paired_report
 
 __all__ = ["bench_config", "main", "make_batch", "run_bench"]
 
@@ -62,10 +69,14 @@ GENERATE_RATIOS = (
     ("rlinfer/inprocess", "rlinfer", "inprocess"),
 )
 UPDATE_RATIOS = (
+    ("rlinfer_disk/raw_disk", "rlinfer_disk", "raw_disk"),
     ("pool_tensors/rlinfer_tensors", "pool_tensors", "rlinfer_tensors"),
     ("pool_disk/rlinfer_disk", "pool_disk", "rlinfer_disk"),
     ("rlinfer_tensors/inprocess_tensors", "rlinfer_tensors", "inprocess_tensors"),
 )
+#: the A/A controls (the noise floor of every ratio above): the raw side against itself
+GENERATE_CONTROL = ("raw/raw_control", "raw", "raw_control")
+UPDATE_CONTROL = ("raw_disk/raw_disk_control", "raw_disk", "raw_disk_control")
 
 
 def bench_config(args: argparse.Namespace, workdir: Path) -> tuple[str, EngineConfig, bool]:
@@ -164,7 +175,7 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     try:
         engine = await open_side("engine", AsyncEngine.open(backend, config, load_entry_point_plugins=False))
         engine.capabilities.require(Capability.BENCH)
-        gen_sides: dict[str, GenerateSide] = {"rlinfer": _tokens(engine), "raw": engine.bench_raw_generate}
+        gen_sides = with_control({"rlinfer": _tokens(engine), "raw": engine.bench_raw_generate}, "raw")
         inproc = pool = None
         if config.server_mode:
             import attrs
@@ -214,7 +225,7 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             if name == "rlinfer":
                 upd_sides["raw_disk"] = _raw_reloader(engine, [str(d) for d in dirs])
             upd_sides[f"{name}_tensors"] = _updater(target, named_tensors)
-        upd = await time_updates(upd_sides, runs)
+        upd = await time_updates(with_control(upd_sides, "raw_disk"), runs)
         caps = engine.capabilities
         served = [r.served for r in pool.replicas.replicas] if pool is not None else None
     finally:
@@ -246,6 +257,8 @@ def _result(
 
     med = {k: statistics.median(v) for k, v in gen.items()}
     umed = {k: statistics.median(v) for k, v in upd.items()}
+    gen_paired = paired_report(gen, GENERATE_RATIOS, GENERATE_CONTROL)
+    upd_paired = paired_report(upd, UPDATE_RATIOS, UPDATE_CONTROL)
     return {
         "backend": backend,
         "engine_version": caps.engine_version,
@@ -266,7 +279,9 @@ def _result(
             "ratio_rlinfer_over_raw": med["rlinfer"] / med["raw"],
             # both sides of a run share its batch and run back to back: robust to slow phases
             "ratio_paired_median": statistics.median(a / b for a, b in zip(gen["rlinfer"], gen["raw"], strict=True)),
-            "paired": {name: paired(gen[a], gen[b]) for name, a, b in GENERATE_RATIOS if a in gen and b in gen},
+            # per-run ratios (median, IQR, ci95, min/max, vs_control) and their A/A noise floor
+            "paired": gen_paired["ratios"],
+            "control": gen_paired["control"],
         },
         "weight_update": {
             "bytes": nbytes,
@@ -275,13 +290,10 @@ def _result(
             "seconds_spread": {k: spread(v) for k, v in upd.items()},
             "ratio_raw_disk_over_rlinfer_disk": umed["raw_disk"] / umed["rlinfer_disk"],
             "ratio_raw_disk_over_rlinfer_tensors": umed["raw_disk"] / umed["rlinfer_tensors"],
-            "paired": {name: paired(upd[a], upd[b]) for name, a, b in UPDATE_RATIOS if a in upd and b in upd},
+            "paired": upd_paired["ratios"],
+            "control": upd_paired["control"],
         },
     }
-
-
-def _range(p: dict[str, Any]) -> str:
-    return f"{p['median']:.3f} [{p['min']:.3f}-{p['max']:.3f}]"
 
 
 def main(args: argparse.Namespace) -> int:
@@ -306,9 +318,9 @@ def main(args: argparse.Namespace) -> int:
         f"(median of per-run ratios {g['ratio_paired_median']:.3f}); "
         f"raw disk reload / rlinfer disk update = {w['ratio_raw_disk_over_rlinfer_disk']:.3f}"
     )
-    for name, p in {**g["paired"], **w["paired"]}.items():
-        kind = "tok/s" if name in g["paired"] else "seconds"
-        print(f"paired {kind} ratio {name}: median [min-max] {_range(p)} over {result['runs']} runs")
+    for part, kind in ((g, "tok/s"), (w, "seconds")):
+        for name, p in part["paired"].items():
+            print(f"paired {kind} ratio {describe(name, p, part['control'])}")
     print(f"machine: {result['load']['before']['cpus']} CPUs, load before/after {result['load']}")
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)

@@ -2,8 +2,10 @@
 
 Every run gives each side the same batch (or the same weights), in an order that rotates from run
 to run, so drift (other load on the machine, thermal, caches) hits every side alike. Ratios are
-taken per run (paired) and summarised as median, min and max; run -1 warms every side up and is
-not counted. Pure asyncio + stdlib: no engine, no torch (``dev/gpu/bench`` scripts use it too).
+taken per run (paired) and summarised (:mod:`rlinfer_demo.bench_stats`); run -1 warms every side
+up and is not counted. :func:`with_control` adds the A/A control: the baseline side once more, right
+after itself, so baseline/baseline_control is alternated like the ratio it is the noise floor of.
+Pure asyncio + stdlib: no engine, no torch (``dev/gpu/bench`` scripts use it too).
 """
 
 from __future__ import annotations
@@ -13,7 +15,11 @@ import random
 import statistics
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
+
+from rlinfer_demo.bench_stats import CONTROL_SUFFIX, ratios, summary
+
+_Side = TypeVar("_Side")
 
 #: a generate side: runs a batch, returns the number of tokens it produced
 GenerateSide = Callable[[list[Any]], Awaitable[int]]
@@ -74,15 +80,21 @@ async def time_updates(sides: Mapping[str, UpdateSide], runs: int) -> dict[str, 
     return seconds
 
 
+def with_control(sides: Mapping[str, _Side], baseline: str) -> dict[str, _Side]:
+    """``sides`` with ``baseline`` timed once more as ``baseline_control``, right after it in the
+    rotation: the A/A control. Placed after a side compared with the one before it (``rlinfer``,
+    ``raw``), baseline/baseline_control meets the same order pattern and warm-up as that ratio."""
+    out: dict[str, _Side] = {}
+    for name, side in sides.items():
+        out[name] = side
+        if name == baseline:
+            out[baseline + CONTROL_SUFFIX] = side
+    return out
+
+
 def paired(numerator: Sequence[float], denominator: Sequence[float]) -> dict[str, Any]:
-    """Per-run ratios ``numerator / denominator``: median, min, max and the samples."""
-    ratios = [a / b for a, b in zip(numerator, denominator, strict=True)]
-    return {
-        "median": statistics.median(ratios),
-        "min": min(ratios),
-        "max": max(ratios),
-        "samples": ratios,
-    }
+    """Per-run ratios ``numerator / denominator``: median, min, max, IQR, 95 % CI, the samples."""
+    return summary(ratios(numerator, denominator))
 
 
 def spread(samples: Sequence[float]) -> dict[str, float]:
