@@ -104,21 +104,21 @@ def prefix_agreement(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> 
 
 
 def load_weight_sets(
-    engine: Any, model_dir: Path, seed: int
+    engine: Any, model_dir: Path, seed: int, device: str = "cuda"
 ) -> tuple[list[tuple[str, Any]], list[tuple[str, Any]], int]:
-    """Weights A (the checkpoint) and B (A plus small noise) as CUDA tensors; and their bytes."""
+    """Weights A (the checkpoint) and B (A plus small noise) as tensors on ``device``; and their bytes."""
     import torch
 
     from rlinfer_core.transfer.buckets import to_dtype
     from rlinfer_core.transfer.disk import read_tensors
 
     specs = engine.weight_specs
-    a = [(n, t.to(device="cuda", dtype=to_dtype(specs[n].dtype))) for n, t in read_tensors(model_dir) if n in specs]
+    a = [(n, t.to(device=device, dtype=to_dtype(specs[n].dtype))) for n, t in read_tensors(model_dir) if n in specs]
     missing = sorted(set(specs) - {n for n, _ in a})
     if missing:
         raise RuntimeError(f"checkpoint lacks {len(missing)} parameters the engine wants, e.g. {missing[:3]}")
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    b = [(n, t + 1e-3 * torch.randn(t.shape, generator=gen, device="cuda", dtype=t.dtype)) for n, t in a]
+    gen = torch.Generator(device=device).manual_seed(seed)
+    b = [(n, t + 1e-3 * torch.randn(t.shape, generator=gen, device=device, dtype=t.dtype)) for n, t in a]
     nbytes = sum(t.numel() * t.element_size() for _, t in a)
     return a, b, nbytes
 
