@@ -13,6 +13,9 @@
 #   - bench-server: `rlinfer bench` in server mode vs an in-process twin       -> $OUT/bench-server-E.{json,log}
 #   - phase:       dev/gpu/bench/phase_switch_bench.py (release -> train -> resume -> update -> first token)
 #                                                                                -> $OUT/phase-E.{json,log}
+#   - stall:       dev/gpu/bench/stall_bench.py (128 streaming requests; the longest inter-token gap
+#                  a weight update causes, and tokens/s while it runs, vs undisturbed phases; extra
+#                  args: RLINFER_GPU_STALL_ARGS)                               -> $OUT/stall-E.{json,log}
 #   Two-GPU steps (nvidia-h200-x2; dev/gpu/run_x2.sh drives them, docs/gpu.md "The 2-GPU run"):
 #   - tp2:         the conformance kit at tensor_parallel_size=2 (every engine it opens: the main
 #                  one, the extra architectures', the fault matrix's), verbose  -> $OUT/tp2-E.{json,log}
@@ -165,6 +168,12 @@ for s in "${STEPS[@]}"; do
       step phase "$OUT/phase-$ENGINE.log" python3 dev/gpu/bench/phase_switch_bench.py \
         --backend "$ENGINE" --model "$MODEL" --json-out "$OUT/phase-$ENGINE.json" "${ENGINE_ARGS[@]}" \
         ${RLINFER_GPU_PHASE_ARGS:-}
+      ;;
+    stall)
+      # shellcheck disable=SC2086
+      step stall "$OUT/stall-$ENGINE.log" python3 dev/gpu/bench/stall_bench.py \
+        --backend "$ENGINE" --model "$MODEL" --json-out "$OUT/stall-$ENGINE.json" "${ENGINE_ARGS[@]}" \
+        ${RLINFER_GPU_STALL_ARGS:-}
       ;;
     *)
       echo "run_suite: unknown step '$s'" >&2
