@@ -83,29 +83,6 @@ def test_claiming_a_capability_without_its_hooks_fails_open_and_shuts_down(
     asyncio.run(body())
 
 
-def test_the_protocols_mirror_the_operation_hookspecs() -> None:
-    """Every operation hook of the published contract is in exactly one typed protocol, with the
-    same parameters; FullBackend holds them all and OPTIONAL names every optional protocol."""
-    import inspect
-
-    from rlinfer_core import hookspecs
-    from rlinfer_core.backend import OPTIONAL
-
-    specs = {
-        name: list(inspect.signature(fn).parameters)
-        for name, fn in vars(hookspecs).items()
-        if name.startswith("rlinfer_") and not name.startswith("rlinfer_on_") and callable(fn)
-    }
-    protocols = [Backend, *OPTIONAL]
-    members = [name for p in protocols for name in vars(p) if name.startswith("rlinfer_")]
-    assert sorted(members) == sorted(specs), "one protocol per operation hook, each hook once"
-    for protocol in protocols:
-        for name in (n for n in vars(protocol) if n.startswith("rlinfer_")):
-            assert list(inspect.signature(getattr(protocol, name)).parameters)[1:] == specs[name], name
-    full = {name for name in dir(FullBackend) if name.startswith("rlinfer_")}
-    assert full == set(specs)
-
-
 def test_bench_is_an_optional_capability() -> None:
     async def body() -> None:
         request = GenerateRequest(prompt_token_ids=[1], sampling=SamplingParams(max_tokens=3, n=2))

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from rlinfer_core.errors import UnsupportedCapability
+from rlinfer_core.backend import ToolsBackend
 from rlinfer_core.tools import ToolCalls, check_calls, check_parser, to_tools
 from rlinfer_core.types import Capabilities, Capability, Completion, GenerateRequest
 
@@ -84,25 +84,15 @@ def check_agent_request(engine: AsyncEngine, request: GenerateRequest) -> None:
         registry(engine).check_request(request)
 
 
-def _parser_impl(engine: AsyncEngine) -> Any:
-    engine.capabilities.require(Capability.TOOLS)
-    impl = getattr(engine._backend, "rlinfer_parse_tool_calls", None)
-    if impl is None:
-        raise UnsupportedCapability(
-            "rlinfer_parse_tool_calls", engine.backend_name, "the backend does not implement it"
-        )
-    return impl
-
-
 async def parse_tool_calls(engine: AsyncEngine, text: str, parser: str, tools: Any) -> ToolCalls:
     """Tool calls in ``text`` by the engine's ``parser`` ("hermes", "qwen", "llama"), checked
     against ``tools`` (unknown tools and schema-invalid arguments are marked malformed)."""
     engine._ensure_open()
     check_parser(parser)
     specs = to_tools(tools) or ()
-    impl = _parser_impl(engine)
-    found = impl(text=text, parser=parser, tools=specs)
-    if isinstance(found, Awaitable):
+    parse: Any = engine._optional(ToolsBackend.rlinfer_parse_tool_calls)
+    found = parse(text=text, parser=parser, tools=specs)
+    if isinstance(found, Awaitable):  # a backend may parse asynchronously although the spec says sync
         found = await engine._with_timeout(found, engine.config.request_timeout_s, "parse_tool_calls")
     if not isinstance(found, ToolCalls):
         raise TypeError(f"rlinfer_parse_tool_calls of {engine.backend_name!r} returned {type(found).__name__}")

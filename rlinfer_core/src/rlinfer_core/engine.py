@@ -14,13 +14,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
 
 import attrs
 
 from rlinfer_core.agent import attach_tool_calls, derive_capabilities
-from rlinfer_core.backend import StreamingBackend, claimed_but_missing, present
+from rlinfer_core.backend import AbortingBackend, PausingBackend, StreamingBackend, claimed_but_missing
 from rlinfer_core.discovery import get_backend, plugin_objects
 from rlinfer_core.engine_agent import EngineAgent
 from rlinfer_core.engine_weights import EngineWeights
@@ -36,6 +36,7 @@ from rlinfer_core.preflight import (
 )
 from rlinfer_core.preflight import pause_mode as preflight_pause_mode
 from rlinfer_core.types import (
+    PAUSE_CAPABILITY,
     Capability,
     Completion,
     CompletionDelta,
@@ -197,16 +198,17 @@ class AsyncEngine(EngineAgent, EngineWeights):
         iteration; the whole stream is bounded by ``request_timeout_s`` (the request is aborted
         when it runs out) and an engine that died meanwhile raises EngineDead.
         """
-        self.capabilities.require(Capability.STREAM)
+        generate_stream = self._optional(StreamingBackend.rlinfer_generate_stream)
         if request.sampling.return_routed_experts:  # deltas carry no routes
             raise InvalidRequest("return_routed_experts", "routes come with generate(), not with stream()")
         if request.sampling.return_hidden_states:  # nor hidden states
             raise InvalidRequest("return_hidden_states", "hidden states come with generate(), not with stream()")
         self._validate_request(request)
-        impl = present(self._stream_impl, "rlinfer_generate_stream", self.backend_name)
-        return self._stream(impl, request)
+        return self._stream(generate_stream, request)
 
-    async def _stream(self, impl: StreamingBackend, request: GenerateRequest) -> AsyncGenerator[CompletionDelta, None]:
+    async def _stream(
+        self, generate_stream: Callable[[GenerateRequest], AsyncIterator[CompletionDelta]], request: GenerateRequest
+    ) -> AsyncGenerator[CompletionDelta, None]:
         ids = [request.request_id]
         deadline = time.monotonic() + self.config.request_timeout_s
         async with self._admission.admit(ids, self.config.request_timeout_s) as ticket:
@@ -215,7 +217,7 @@ class AsyncEngine(EngineAgent, EngineWeights):
                     c = aborted_at_gate(request, index)
                     yield CompletionDelta(c.request_id, index, (), (), FinishReason.ABORT, None, self._version, ())
                 return
-            iterator = impl.rlinfer_generate_stream(request)
+            iterator = generate_stream(request)
             try:
                 while True:
                     try:
@@ -241,34 +243,33 @@ class AsyncEngine(EngineAgent, EngineWeights):
     async def abort(self, request_ids: Sequence[str] | str | None = None) -> None:
         """Abort requests (``None``: all in flight); their callers get partial tokens, "abort"."""
         self._ensure_open()
-        self.capabilities.require(Capability.ABORT)
-        impl = present(self._abort_impl, "rlinfer_abort", self.backend_name)
+        abort = self._optional(AbortingBackend.rlinfer_abort, Capability.ABORT)
         ids = [request_ids] if isinstance(request_ids, str) else (None if request_ids is None else list(request_ids))
         targets = sorted(self._admission.in_flight) if ids is None else ids
         self._admission.abort_waiting(ids)
-        await self._with_timeout(impl.rlinfer_abort(ids), 60.0, "abort")
+        await self._with_timeout(abort(ids), 60.0, "abort")
         # A request accepted here may not be registered in the engine yet (it ignores an unknown
         # id, and "all" means all it knows): abort again until each target has ended, bounded.
         deadline = time.monotonic() + ABORT_SETTLE_S
         while (left := [i for i in targets if i in self._admission.in_flight]) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-            await self._with_timeout(impl.rlinfer_abort(left), 60.0, "abort")
+            await self._with_timeout(abort(left), 60.0, "abort")
 
     async def pause(self, mode: PauseMode | str = PauseMode.ABORT) -> None:
         """Pause generation (see PauseMode for what happens to in-flight requests)."""
         self._ensure_open()
         pause_mode = preflight_pause_mode(mode, self.capabilities)
-        impl = present(self._pause_impl, "rlinfer_pause", self.backend_name)
+        pause = self._optional(PausingBackend.rlinfer_pause, PAUSE_CAPABILITY[pause_mode])
         # Every request handed to generate/stream before this call is covered by the mode, even
         # one the engine has not registered yet: new ones wait at the gate until resume().
         self._admission.close_gate()
         try:
             if pause_mode is PauseMode.WAIT:
                 await self._with_timeout(self._admission.drained(), self.config.request_timeout_s, "pause(wait)")
-            await self._with_timeout(impl.rlinfer_pause(pause_mode), self.config.request_timeout_s, "pause")
+            await self._with_timeout(pause(pause_mode), self.config.request_timeout_s, "pause")
             if pause_mode is PauseMode.ABORT and self._admission.in_flight:
-                aborter = present(self._abort_impl, "rlinfer_abort", self.backend_name)
-                await self._with_timeout(aborter.rlinfer_abort(sorted(self._admission.in_flight)), 60.0, "pause(abort)")
+                abort = self._optional(AbortingBackend.rlinfer_abort, Capability.PAUSE_ABORT)
+                await self._with_timeout(abort(sorted(self._admission.in_flight)), 60.0, "pause(abort)")
         except BaseException:
             self._admission.open_gate()
             raise
@@ -277,8 +278,9 @@ class AsyncEngine(EngineAgent, EngineWeights):
         """Resume generation after :meth:`pause`."""
         self._ensure_open()
         try:
-            if self._pause_impl is not None:
-                await self._with_timeout(self._pause_impl.rlinfer_resume(), 60.0, "resume")
+            resume = self._implemented(PausingBackend.rlinfer_resume)
+            if resume is not None:
+                await self._with_timeout(resume(), 60.0, "resume")
         finally:
             self._admission.open_gate()
 

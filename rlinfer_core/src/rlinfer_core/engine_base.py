@@ -6,36 +6,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import pluggy
 
 from rlinfer_core import hookspecs
 from rlinfer_core.admission import Admission
 from rlinfer_core.agent import check_agent_request, derive_capabilities
-from rlinfer_core.backend import (
-    AbortingBackend,
-    Backend,
-    BenchBackend,
-    BroadcastBackend,
-    ChecksumBackend,
-    MemoryBackend,
-    PausingBackend,
-    PrefixCacheBackend,
-    ProcessesBackend,
-    StreamingBackend,
-    check_backend,
-)
+from rlinfer_core.backend import AbortingBackend, Backend, check_backend, implemented, optional_hook
 from rlinfer_core.discovery import BackendInfo
 from rlinfer_core.errors import EngineDead, EngineTimeout, RLInferError
 from rlinfer_core.model_info import ModelInfo
 from rlinfer_core.observers import Observers
 from rlinfer_core.oom_retry import OutOfMemoryRetry
 from rlinfer_core.preflight import check_config_limits, validate_request
-from rlinfer_core.types import Capabilities, EngineConfig, GenerateRequest, MemoryTag
+from rlinfer_core.types import Capabilities, Capability, EngineConfig, GenerateRequest, MemoryTag
 from rlinfer_core.weights import TensorSpec
 
 T = TypeVar("T")
+Impl = TypeVar("Impl")
+Params = ParamSpec("Params")
 
 
 class EngineBase:
@@ -58,15 +48,6 @@ class EngineBase:
         self._pm = pluggy.PluginManager(hookspecs.PROJECT)
         self._pm.add_hookspecs(hookspecs)
         self._pm.register(backend, name=f"backend:{info.name}")
-        self._stream_impl = backend if isinstance(backend, StreamingBackend) else None
-        self._abort_impl = backend if isinstance(backend, AbortingBackend) else None
-        self._pause_impl = backend if isinstance(backend, PausingBackend) else None
-        self._broadcast_impl = backend if isinstance(backend, BroadcastBackend) else None
-        self._checksum_impl = backend if isinstance(backend, ChecksumBackend) else None
-        self._memory_impl = backend if isinstance(backend, MemoryBackend) else None
-        self._prefix_impl = backend if isinstance(backend, PrefixCacheBackend) else None
-        self._processes_impl = backend if isinstance(backend, ProcessesBackend) else None
-        self._bench_impl = backend if isinstance(backend, BenchBackend) else None
         self._observers = Observers(plugins, entry_point_plugins)
         self._admission = Admission()
         #: retry generate after a transient EngineOutOfMemory (off unless ``open(oom_retry=...)``)
@@ -109,6 +90,20 @@ class EngineBase:
 
     # --- plumbing ------------------------------------------------------------------------------
 
+    def _optional(
+        self, hook: Callable[Concatenate[Impl, Params], T], needs: Capability | None = None
+    ) -> Callable[Params, T]:
+        """The backend's implementation of the optional ``hook`` (e.g. ``LoraBackend.rlinfer_load_lora``),
+        the one way the facade reaches an optional hook: UnsupportedCapability with the backend's
+        note unless it claims ``needs`` (default: what the hook backs), or naming the hook when
+        the backend lacks it (:func:`rlinfer_core.backend.optional_hook`)."""
+        return optional_hook(self._backend, hook, self.capabilities, needs, self.backend_name)
+
+    def _implemented(self, hook: Callable[Concatenate[Impl, Params], T]) -> Callable[Params, T] | None:
+        """The backend's implementation of the optional ``hook``, or None: for calls skipped where
+        it is missing (``resume``, a quiet abort after a timeout)."""
+        return implemented(self._backend, hook)
+
     def _ensure_open(self) -> None:
         if self._closed:
             raise EngineDead(f"engine {self.backend_name!r} was shut down; open a new one")
@@ -148,10 +143,11 @@ class EngineBase:
             raise
 
     async def _abort_quietly(self, request_ids: list[str]) -> None:
-        if self._abort_impl is None:
+        abort = self._implemented(AbortingBackend.rlinfer_abort)
+        if abort is None:
             return
         with contextlib.suppress(Exception):  # the timeout error is what the caller must see
-            await asyncio.wait_for(self._abort_impl.rlinfer_abort(request_ids), timeout=10.0)
+            await asyncio.wait_for(abort(request_ids), timeout=10.0)
 
     async def _raise_if_dead(self, exc: BaseException) -> None:
         try:

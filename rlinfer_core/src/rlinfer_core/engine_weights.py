@@ -9,7 +9,14 @@ from typing import Any, assert_never
 
 import attrs
 
-from rlinfer_core.backend import present
+from rlinfer_core.backend import (
+    BenchBackend,
+    BroadcastBackend,
+    ChecksumBackend,
+    MemoryBackend,
+    PrefixCacheBackend,
+    ProcessesBackend,
+)
 from rlinfer_core.checksum import WeightChecksum, WeightVerification
 from rlinfer_core.engine_base import EngineBase
 from rlinfer_core.errors import (
@@ -193,10 +200,8 @@ class EngineWeights(EngineBase):
             return
         from rlinfer_core.checksum import verify
 
-        impl = present(self._checksum_impl, "rlinfer_weights_checksum", self.backend_name)
-        served = await self._with_timeout(
-            impl.rlinfer_weights_checksum(), self.config.request_timeout_s, "weights_checksum"
-        )
+        weights_checksum = self._optional(ChecksumBackend.rlinfer_weights_checksum)
+        served = await self._with_timeout(weights_checksum(), self.config.request_timeout_s, "weights_checksum")
         tied = self.model_info.tied_weights if self.model_info is not None else {}
         result = verify(served, sent_tensors(source), tied)
         if not result.ok:
@@ -263,30 +268,24 @@ class EngineWeights(EngineBase):
         construction on the trainer side: both block until the group is formed.
         """
         self._ensure_open()
-        self.capabilities.require(Capability.WEIGHTS_BROADCAST)
-        impl = present(self._broadcast_impl, "rlinfer_init_weight_broadcast", self.backend_name)
+        init_weight_broadcast = self._optional(BroadcastBackend.rlinfer_init_weight_broadcast)
         if group.rank_offset + self.broadcast_ranks > group.world_size:
             raise InvalidRequest(
                 "world_size",
                 f"the group needs at least rank_offset + {self.broadcast_ranks} engine ranks "
                 f"= {group.rank_offset + self.broadcast_ranks}, got world_size={group.world_size}",
             )
-        await self._with_timeout(
-            impl.rlinfer_init_weight_broadcast(group), group.timeout_s + 30.0, "init_weight_broadcast"
-        )
+        await self._with_timeout(init_weight_broadcast(group), group.timeout_s + 30.0, "init_weight_broadcast")
 
     async def weights_checksum(self) -> Mapping[str, WeightChecksum]:
         """Checksums of every tensor the engine serves, computed inside the engine (HF names)."""
         self._ensure_open()
-        self.capabilities.require(Capability.WEIGHTS_CHECKSUM)
-        impl = present(self._checksum_impl, "rlinfer_weights_checksum", self.backend_name)
+        weights_checksum = self._optional(ChecksumBackend.rlinfer_weights_checksum)
         if MemoryTag.WEIGHTS in self._released:
             raise InvalidRequest("engine_state", "weights are released; call resume_memory(['weights']) first")
         if self._discarded:
             raise WeightsNotLoaded(self._not_loaded_reason)
-        return await self._with_timeout(
-            impl.rlinfer_weights_checksum(), self.config.request_timeout_s, "weights_checksum"
-        )
+        return await self._with_timeout(weights_checksum(), self.config.request_timeout_s, "weights_checksum")
 
     async def verify_weights(self, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> WeightVerification:
         """Compare what the engine serves with the trainer's ``tensors`` (bit for bit, in the dtype
@@ -300,8 +299,7 @@ class EngineWeights(EngineBase):
     def engine_processes(self) -> Mapping[str, int]:
         """The engine's child processes now running, ``{role: pid}``."""
         self._ensure_open()
-        impl = present(self._processes_impl, "rlinfer_engine_processes", self.backend_name)
-        return impl.rlinfer_engine_processes()
+        return self._optional(ProcessesBackend.rlinfer_engine_processes)()
 
     async def reset_prefix_cache(self) -> None:
         """Drop cached prefixes (done automatically after every weight update)."""
@@ -311,8 +309,8 @@ class EngineWeights(EngineBase):
 
     async def _reset_prefix_cache(self) -> None:
         if self.capabilities.supports(Capability.PREFIX_CACHE_RESET):
-            impl = present(self._prefix_impl, "rlinfer_reset_prefix_cache", self.backend_name)
-            await self._with_timeout(impl.rlinfer_reset_prefix_cache(), 60.0, "reset_prefix_cache")
+            reset = self._optional(PrefixCacheBackend.rlinfer_reset_prefix_cache)
+            await self._with_timeout(reset(), 60.0, "reset_prefix_cache")
 
     # --- memory --------------------------------------------------------------------------------
 
@@ -336,7 +334,7 @@ class EngineWeights(EngineBase):
         wanted = as_memory_tags(tags)
         if discard_weights:  # first: the error names what was asked for (its note says why)
             self.capabilities.require(Capability.MEMORY_DISCARD_WEIGHTS)
-        self.capabilities.require(Capability.MEMORY_RELEASE)
+        release = self._optional(MemoryBackend.rlinfer_release_memory)
         if discard_weights:
             if MemoryTag.WEIGHTS not in wanted:
                 raise InvalidRequest("discard_weights", "needs the weights tag among the tags to release")
@@ -345,16 +343,11 @@ class EngineWeights(EngineBase):
                     "discard_weights",
                     "the weights are already released with their host backup; resume_memory(['weights']) first",
                 )
-        impl = present(self._memory_impl, "rlinfer_release_memory", self.backend_name)
         todo = frozenset(wanted - self._released)
         if not todo:
             return
         started = time.perf_counter()
-        call = (
-            impl.rlinfer_release_memory(todo, discard_weights=True)
-            if discard_weights
-            else impl.rlinfer_release_memory(todo)
-        )
+        call = release(todo, discard_weights=True) if discard_weights else release(todo)
         await self._with_timeout(call, 300.0, "release_memory")
         self._released |= todo
         if discard_weights:
@@ -367,13 +360,12 @@ class EngineWeights(EngineBase):
         """Re-allocate memory released by :meth:`release_memory` (default: all tags)."""
         self._ensure_open()
         wanted = as_memory_tags(tags)
-        self.capabilities.require(Capability.MEMORY_RELEASE)
-        impl = present(self._memory_impl, "rlinfer_resume_memory", self.backend_name)
+        resume = self._optional(MemoryBackend.rlinfer_resume_memory)
         todo = frozenset(wanted & self._released)
         if not todo:
             return
         started = time.perf_counter()
-        await self._with_timeout(impl.rlinfer_resume_memory(todo), 300.0, "resume_memory")
+        await self._with_timeout(resume(todo), 300.0, "resume_memory")
         self._released -= todo
         self._observers.emit(
             "rlinfer_on_memory_resumed", backend=self.backend_name, tags=todo, seconds=time.perf_counter() - started
@@ -384,18 +376,14 @@ class EngineWeights(EngineBase):
     async def bench_raw_generate(self, requests: Sequence[GenerateRequest]) -> int:
         """Run ``requests`` through the engine's native API (no rlinfer conversion); tokens out."""
         self._ensure_open()
-        self.capabilities.require(Capability.BENCH)
-        impl = present(self._bench_impl, "rlinfer_bench_raw_generate", self.backend_name)
+        raw_generate = self._optional(BenchBackend.rlinfer_bench_raw_generate)
         return await self._with_timeout(
-            impl.rlinfer_bench_raw_generate(list(requests)), self.config.request_timeout_s, "bench_raw_generate"
+            raw_generate(list(requests)), self.config.request_timeout_s, "bench_raw_generate"
         )
 
     async def bench_raw_weight_update(self, path: str) -> None:
         """The engine's own reload from a safetensors directory and nothing else (bench baseline):
         no validation, no version bump, no prefix-cache reset (call :meth:`reset_prefix_cache`)."""
         self._ensure_open()
-        self.capabilities.require(Capability.BENCH)
-        impl = present(self._bench_impl, "rlinfer_bench_raw_weight_update", self.backend_name)
-        await self._with_timeout(
-            impl.rlinfer_bench_raw_weight_update(path), self.config.request_timeout_s, "bench_raw_weight_update"
-        )
+        raw_update = self._optional(BenchBackend.rlinfer_bench_raw_weight_update)
+        await self._with_timeout(raw_update(path), self.config.request_timeout_s, "bench_raw_weight_update")

@@ -8,10 +8,12 @@ Two kinds of hooks:
   backend; the facade (:class:`rlinfer_core.engine.AsyncEngine`) awaits what they return. The
   facade validates inputs and checks capabilities *before* calling them, so a backend sees only
   well-formed requests and weight updates that match its parameters.
-  :mod:`rlinfer_core.backend` states the same hooks as typed protocols: :class:`~rlinfer_core.backend.Backend`
-  (required) and one optional protocol per capability (streaming, abort, pause, broadcast,
-  checksums, memory, prefix cache, engine processes, bench); the facade calls them as typed
-  methods, and refuses at open a backend that claims a capability without its hooks.
+  A hook marked :func:`optional` backs the capabilities it names: a backend implements it only
+  where it claims one of them, and the facade refuses at open a backend that claims one without
+  the hook. :mod:`rlinfer_core.backend` is the typed view of these hooks for mypy and the facade
+  (:class:`~rlinfer_core.backend.Backend`: the unmarked hooks; one protocol per optional group);
+  it restates nothing (its members take their docstrings from here) and
+  ``tests/core/test_contract_stated_once.py`` checks it against these specs mechanically.
 * **Event hooks** (``rlinfer_on_...``): for any number of observer plugins (metrics, tracing,
   parity checks), found through the entry-point group ``rlinfer.plugins``. They are called after
   the fact, return nothing and must not raise; they never branch on the backend.
@@ -22,10 +24,12 @@ static conformance gate.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 import pluggy
+
+from rlinfer_core.capability import Capability
 
 if TYPE_CHECKING:
     from rlinfer_core.checksum import WeightChecksum
@@ -46,6 +50,22 @@ if TYPE_CHECKING:
 PROJECT = "rlinfer"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
+
+#: the attribute :func:`optional` sets on a hookspec: the capabilities the hook backs
+OPTIONAL_MARK = "rlinfer_optional"
+_Spec = TypeVar("_Spec", bound=Callable[..., object])
+
+
+def optional(*capabilities: Capability) -> Callable[[_Spec], _Spec]:
+    """Mark an operation hook optional: a backend implements it where it claims one of
+    ``capabilities``; elsewhere the facade raises UnsupportedCapability before reaching it. With
+    no capability the hook is optional outright (the facade refuses only the call that needs it)."""
+
+    def mark(spec: _Spec) -> _Spec:
+        setattr(spec, OPTIONAL_MARK, frozenset(capabilities))
+        return spec
+
+    return mark
 
 
 # --- lifecycle ---------------------------------------------------------------------------------
@@ -75,6 +95,7 @@ def rlinfer_check_health() -> Awaitable[None]:
     """Raise :class:`~rlinfer_core.errors.EngineDead` when the engine can no longer serve."""
 
 
+@optional()
 @hookspec(firstresult=True)
 def rlinfer_engine_processes() -> Mapping[str, int]:
     """The engine's child processes now running, as ``{role: pid}`` (e.g. ``"EngineCore"``,
@@ -106,21 +127,25 @@ def rlinfer_generate(requests: Sequence[GenerateRequest]) -> Awaitable[list[Comp
     """
 
 
+@optional(Capability.STREAM)
 @hookspec(firstresult=True)
 def rlinfer_generate_stream(request: GenerateRequest) -> AsyncIterator[CompletionDelta]:
     """Stream one request: deltas that concatenate to what :func:`rlinfer_generate` returns."""
 
 
+@optional(Capability.ABORT, Capability.PAUSE_ABORT)
 @hookspec(firstresult=True)
 def rlinfer_abort(request_ids: Sequence[str] | None) -> Awaitable[None]:
     """Abort the given requests (``None``: all). Their callers get partial tokens, "abort"."""
 
 
+@optional(Capability.PAUSE_ABORT, Capability.PAUSE_WAIT, Capability.PAUSE_KEEP)
 @hookspec(firstresult=True)
 def rlinfer_pause(mode: PauseMode) -> Awaitable[None]:
     """Pause generation; ``mode`` says what happens to in-flight requests (see PauseMode)."""
 
 
+@optional(Capability.PAUSE_ABORT, Capability.PAUSE_WAIT, Capability.PAUSE_KEEP)
 @hookspec(firstresult=True)
 def rlinfer_resume() -> Awaitable[None]:
     """Resume generation after :func:`rlinfer_pause`."""
@@ -152,6 +177,7 @@ def rlinfer_update_weights(update: WeightUpdate) -> Awaitable[None]:
     """
 
 
+@optional(Capability.WEIGHTS_CHECKSUM)
 @hookspec(firstresult=True)
 def rlinfer_weights_checksum() -> Awaitable[Mapping[str, WeightChecksum]]:
     """Checksums (:func:`rlinfer_core.checksum.tensor_checksum`) of every tensor the engine
@@ -162,6 +188,7 @@ def rlinfer_weights_checksum() -> Awaitable[Mapping[str, WeightChecksum]]:
     """
 
 
+@optional(Capability.WEIGHTS_BROADCAST)
 @hookspec(firstresult=True)
 def rlinfer_init_weight_broadcast(group: BroadcastGroup) -> Awaitable[None]:
     """Join the trainer's torch.distributed weight group (engine ranks 1..world_size-1)."""
@@ -170,8 +197,9 @@ def rlinfer_init_weight_broadcast(group: BroadcastGroup) -> Awaitable[None]:
 # --- memory ------------------------------------------------------------------------------------
 
 
+@optional(Capability.MEMORY_RELEASE)
 @hookspec(firstresult=True)
-def rlinfer_release_memory(tags: frozenset[MemoryTag], discard_weights: bool) -> Awaitable[None]:
+def rlinfer_release_memory(tags: frozenset[MemoryTag], discard_weights: bool = False) -> Awaitable[None]:
     """Free the accelerator memory held for ``tags`` (weights, kv_cache).
 
     ``discard_weights=True`` (only for backends claiming ``memory.discard_weights``; the facade
@@ -183,12 +211,14 @@ def rlinfer_release_memory(tags: frozenset[MemoryTag], discard_weights: bool) ->
     """
 
 
+@optional(Capability.MEMORY_RELEASE)
 @hookspec(firstresult=True)
 def rlinfer_resume_memory(tags: frozenset[MemoryTag]) -> Awaitable[None]:
     """Re-allocate what :func:`rlinfer_release_memory` freed; weights come back unchanged
     (after a discarding release: their memory only, to be filled by a full weight update)."""
 
 
+@optional(Capability.PREFIX_CACHE_RESET)
 @hookspec(firstresult=True)
 def rlinfer_reset_prefix_cache() -> Awaitable[None]:
     """Drop every cached prefix so that no output depends on KV computed by older weights."""
@@ -197,6 +227,7 @@ def rlinfer_reset_prefix_cache() -> Awaitable[None]:
 # --- benchmarking (optional: only for backends claiming Capability.BENCH) ----------------------
 
 
+@optional(Capability.BENCH)
 @hookspec(firstresult=True)
 def rlinfer_bench_raw_generate(requests: Sequence[GenerateRequest]) -> Awaitable[int]:
     """Run ``requests`` through the engine's native API on the same engine instance, bypassing
@@ -204,6 +235,7 @@ def rlinfer_bench_raw_generate(requests: Sequence[GenerateRequest]) -> Awaitable
     measure rlinfer's overhead against the raw engine."""
 
 
+@optional(Capability.BENCH)
 @hookspec(firstresult=True)
 def rlinfer_bench_raw_weight_update(path: str) -> Awaitable[None]:
     """Reload weights from the safetensors directory ``path`` with the engine's own call, with no
@@ -232,6 +264,7 @@ def rlinfer_bench_raw_weight_update(path: str) -> Awaitable[None]:
 # rlinfer_generate_stream (the facade has checked it is loaded); None means the base weights.
 
 
+@optional(Capability.TOOLS)
 @hookspec(firstresult=True)
 def rlinfer_parse_tool_calls(text: str, parser: str, tools: Sequence[ToolSpec]) -> ToolCalls:
     """Parse tool calls in generated ``text`` with the **engine's own** parser (sync).
@@ -248,6 +281,7 @@ def rlinfer_parse_tool_calls(text: str, parser: str, tools: Sequence[ToolSpec]) 
     """
 
 
+@optional(Capability.LORA)
 @hookspec(firstresult=True)
 def rlinfer_load_lora(adapter: LoraAdapter, replace: bool) -> Awaitable[None]:
     """Load LoRA ``adapter`` (a PEFT directory ``adapter.path``, or ``adapter.tensors`` with the
@@ -261,11 +295,13 @@ def rlinfer_load_lora(adapter: LoraAdapter, replace: bool) -> Awaitable[None]:
     """
 
 
+@optional(Capability.LORA)
 @hookspec(firstresult=True)
 def rlinfer_unload_lora(name: str) -> Awaitable[None]:
     """Unload the adapter ``name`` (the facade checked it is loaded)."""
 
 
+@optional(Capability.LORA)
 @hookspec(firstresult=True)
 def rlinfer_list_loras() -> Awaitable[Sequence[str]]:
     """Names of the adapters the engine holds now (the facade checks them against its registry)."""

@@ -18,16 +18,19 @@ import json
 import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 
-from rlinfer_core.errors import InvalidRequest, UnsupportedCapability
+from rlinfer_core.backend import LoraBackend
+from rlinfer_core.errors import InvalidRequest
 from rlinfer_core.types import Capability
 
 if TYPE_CHECKING:
     from rlinfer_core.engine_base import EngineBase as AsyncEngine
     from rlinfer_core.types import GenerateRequest
+
+T = TypeVar("T")
 
 #: tensor names of a PEFT LoRA adapter end with one of these
 LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
@@ -124,19 +127,12 @@ class LoraRegistry:
         self._engine = engine
         self._loaded: dict[str, LoraInfo] = {}
 
-    def _hook(self, name: str) -> Callable[..., Awaitable[Any]]:
-        engine = self._engine
-        engine.capabilities.require(Capability.LORA)
-        impl = getattr(engine._backend, name, None)
-        if impl is None:
-            raise UnsupportedCapability(name, engine.backend_name, "the backend does not implement this hook")
-        return impl  # type: ignore[no-any-return]
-
-    async def _call(self, hook: str, what: str, **kwargs: Any) -> Any:
+    async def _call(self, what: str, call: Callable[[AsyncEngine], Awaitable[T]]) -> T:
+        """``call(engine)`` (a LoRA hook reached through ``engine._optional``) on an open engine,
+        bounded by the request timeout."""
         engine = self._engine
         engine._ensure_open()
-        impl = self._hook(hook)
-        return await engine._with_timeout(impl(**kwargs), engine.config.request_timeout_s, what)
+        return await engine._with_timeout(call(engine), engine.config.request_timeout_s, what)
 
     async def load(self, adapter: LoraAdapter) -> LoraInfo:
         """Load a new adapter under ``adapter.name``."""
@@ -144,7 +140,7 @@ class LoraRegistry:
         if adapter.name in self._loaded:
             raise InvalidRequest("lora.name", f"an adapter named {adapter.name!r} is loaded; update or unload it")
         info = info_of(adapter)
-        await self._call("rlinfer_load_lora", "load_lora", adapter=adapter, replace=False)
+        await self._call("load_lora", lambda e: e._optional(LoraBackend.rlinfer_load_lora)(adapter, False))
         self._loaded[adapter.name] = info
         return info
 
@@ -163,7 +159,7 @@ class LoraRegistry:
                 f"an in-place update keeps rank and target modules ({old.rank}, {old.target_modules}); "
                 f"got ({info.rank}, {info.target_modules}); unload and load instead",
             )
-        await self._call("rlinfer_load_lora", "update_lora", adapter=adapter, replace=True)
+        await self._call("update_lora", lambda e: e._optional(LoraBackend.rlinfer_load_lora)(adapter, True))
         self._loaded[adapter.name] = info
         return info
 
@@ -172,12 +168,12 @@ class LoraRegistry:
         self._engine.capabilities.require(Capability.LORA)
         if name not in self._loaded:
             raise InvalidRequest("lora.name", f"no adapter named {name!r} is loaded; loaded: {sorted(self._loaded)}")
-        await self._call("rlinfer_unload_lora", "unload_lora", name=name)
+        await self._call("unload_lora", lambda e: e._optional(LoraBackend.rlinfer_unload_lora)(name))
         del self._loaded[name]
 
     async def list(self) -> list[LoraInfo]:
         """The loaded adapters (the engine's own list, checked against the facade's)."""
-        names = set(await self._call("rlinfer_list_loras", "list_loras"))
+        names = set(await self._call("list_loras", lambda e: e._optional(LoraBackend.rlinfer_list_loras)()))
         if names != set(self._loaded):
             raise InvalidRequest(
                 "lora", f"the engine holds adapters {sorted(names)} but the facade loaded {sorted(self._loaded)}"
