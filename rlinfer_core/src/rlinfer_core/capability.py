@@ -77,6 +77,10 @@ class Capability(enum.StrEnum):
     PRIORITY = "generate.priority"
     #: LoRA adapters: load, unload, update in place, per-request use (:mod:`rlinfer_core.lora`)
     LORA = "lora"
+    #: images in requests (GenerateRequest.images, image parts of chat messages) for a
+    #: vision-language model; the completion's prompt ids are expanded exactly once and carry
+    #: Completion.multimodal (:mod:`rlinfer_core.multimodal`). Notes say which modalities
+    MULTIMODAL = "generate.multimodal"
 
 
 def _capability_set(value: Any) -> frozenset[Capability]:

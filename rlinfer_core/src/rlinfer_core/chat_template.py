@@ -67,7 +67,7 @@ def prompt_ids(tokenizer: Any, request: GenerateRequest, max_model_len: int) -> 
         raise InvalidRequest("messages", "the engine has no tokenizer; send prompt_token_ids")
     try:
         text = tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in request.messages],
+            [m.template_dict() for m in request.messages],
             tools=[t.to_openai() for t in request.tools] if request.tools else None,
             tokenize=False,
             add_generation_prompt=True,

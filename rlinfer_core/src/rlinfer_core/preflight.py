@@ -81,6 +81,8 @@ def request_capabilities(request: GenerateRequest) -> list[Capability]:
         needed.append(Capability.GRAMMAR_EBNF)  # generate.structured: agent_request_capabilities
     if request.priority != 0:
         needed.append(Capability.PRIORITY)
+    if request.all_images:
+        needed.append(Capability.MULTIMODAL)
     if s.min_p > 0.0:
         needed.append(Capability.SAMPLING_MIN_P)
     if s.penalised:

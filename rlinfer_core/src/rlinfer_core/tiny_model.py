@@ -169,7 +169,7 @@ def _randomise_biases_and_norms(model: object, std: float, norm_centre: float = 
                 param.normal_(0.0, 0.5)
 
 
-def _train_tokenizer(vocab_size: int) -> object:
+def _train_tokenizer(vocab_size: int, special_tokens: list[str] = SPECIAL_TOKENS) -> object:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE(unk_token=None))
@@ -177,7 +177,7 @@ def _train_tokenizer(vocab_size: int) -> object:
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )

@@ -19,6 +19,15 @@ from rlinfer_core.capability import Capabilities as Capabilities
 from rlinfer_core.capability import Capability as Capability
 from rlinfer_core.errors import InvalidRequest
 from rlinfer_core.hidden_states import HiddenStates
+from rlinfer_core.multimodal import (
+    ContentPart,
+    Image,
+    MultiModalInfo,
+    content_images,
+    template_content,
+    to_content,
+    to_images,
+)
 from rlinfer_core.routing import RoutedExperts
 from rlinfer_core.sampling import MAX_N as MAX_N
 from rlinfer_core.sampling import MAX_TOP_LOGPROBS as MAX_TOP_LOGPROBS
@@ -66,12 +75,26 @@ PAUSE_CAPABILITY: Mapping[PauseMode, Capability] = {
 }
 
 
+def _message_content(value: Any) -> str | tuple[ContentPart, ...]:
+    return to_content(value, "a message")
+
+
 @attrs.frozen
 class ChatMessage:
-    """One chat turn; the engine applies the model's chat template."""
+    """One chat turn; the engine applies the model's chat template. ``content`` is a string, or
+    a list of text and image parts (OpenAI's shapes, see :mod:`rlinfer_core.multimodal`)."""
 
     role: str = attrs.field(validator=v.one_of("system", "user", "assistant", "tool"))
-    content: str = attrs.field(validator=v.instance_of(str, "a string"))
+    content: str | tuple[ContentPart, ...] = attrs.field(converter=_message_content)
+
+    @property
+    def images(self) -> tuple[Image, ...]:
+        """The image parts' images, in order."""
+        return content_images(self.content)
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as a chat template takes it (image parts as ``{"type": "image"}``)."""
+        return {"role": self.role, "content": template_content(self.content)}
 
 
 def _new_request_id() -> str:
@@ -131,6 +154,17 @@ class GenerateRequest:
     #: the engine queues requests, a lower value is admitted (and may preempt) first. Any value
     #: but 0 needs capability generate.priority (an engine started with priority scheduling)
     priority: int = attrs.field(default=0, validator=v.in_range(-(2**31), 2**31 - 1, integer=True))
+    #: images of a prompt_token_ids request, in the order of the image placeholders in the ids
+    #: (capability generate.multimodal; :mod:`rlinfer_core.multimodal`); a messages request
+    #: carries its images as image parts of the messages instead
+    images: tuple[Image, ...] = attrs.field(default=(), converter=to_images)
+
+    @property
+    def all_images(self) -> tuple[Image, ...]:
+        """The request's images in prompt order: ``images``, or the messages' image parts."""
+        if self.messages is None:
+            return self.images
+        return tuple(image for m in self.messages for image in m.images)
 
     def __attrs_post_init__(self) -> None:
         if (self.prompt_token_ids is None) == (self.messages is None):
@@ -141,6 +175,8 @@ class GenerateRequest:
             raise InvalidRequest("messages", "must hold at least one message")
         if not isinstance(self.request_id, str) or not self.request_id:
             raise InvalidRequest("request_id", f"must be a non-empty string, got {self.request_id!r}")
+        if self.messages is not None and self.images:
+            raise InvalidRequest("images", "a messages request carries its images as image parts of the messages")
 
 
 @attrs.frozen
@@ -180,6 +216,9 @@ class Completion:
     #: prompt_hidden_states); alignment: :mod:`rlinfer_core.hidden_states`
     hidden_states: HiddenStates | None = None
     prompt_hidden_states: HiddenStates | None = None
+    #: where the request's images sit in ``prompt_token_ids`` (expanded exactly once) and the
+    #: processor's metadata a trainer needs to rebuild the model inputs; None without images
+    multimodal: MultiModalInfo | None = None
 
 
 @attrs.frozen

@@ -52,6 +52,13 @@ def _deterministic(w: KitWorld) -> Any:
     return open_engine(w.backend, attrs.evolve(w.engine.config, deterministic=True))
 
 
+def _images(w: KitWorld) -> Any:
+    """A prompt with an image (the session's text model, or a backend without image input)."""
+    from rlinfer_core.tiny_vlm import tiny_image
+
+    return w.engine.generate([GenerateRequest(prompt_token_ids=[1, 2], images=[tiny_image()])])
+
+
 PROBES: dict[Capability, Callable[[KitWorld], Any]] = {
     Capability.STREAM: _stream,
     Capability.CHAT: lambda w: w.engine.generate([GenerateRequest(messages=[ChatMessage("user", "hello")])]),
@@ -92,6 +99,7 @@ PROBES: dict[Capability, Callable[[KitWorld], Any]] = {
     Capability.GRAMMAR_EBNF: _gen(structured={"ebnf": 'root ::= "a"'}),
     Capability.PRIORITY: lambda w: w.engine.generate([GenerateRequest(prompt_token_ids=[1, 2], priority=1)]),
     Capability.LORA: lambda w: w.engine.list_loras(),
+    Capability.MULTIMODAL: _images,
 }
 
 
