@@ -5,7 +5,10 @@ On a machine with N GPUs (``nvidia-h200-x2`` for N=2), each replica one GPU
 
 * ``poolN``: a pool of N replicas. Generate alternates, on the same batches, between the whole
   pool (``pool``) and the same pool routed to replica 0 only (``one_replica``): the paired
-  scaling ratio, free of start-to-start variance. Weight updates to the N replicas.
+  scaling ratio, free of start-to-start variance, with its A/A control from the same runs
+  (``one_replica`` timed again right after itself, ``one_replica_control``: its median, spread and
+  whether the scaling ratio is distinguishable from it; rlinfer_demo.bench_stats). Weight updates
+  to the N replicas.
 * ``pool1``: a pool of one replica: the same generate and weight updates (sync to N replicas vs 1).
 * ``engine``: the engine alone, no Ray (the pool's overhead at N=1, unpaired).
 
@@ -158,7 +161,8 @@ class Phase:
         return await EnginePool.open(self.args.backend, self.config, pool=pool, load_entry_point_plugins=False)
 
     async def run(self, sets: tuple[list[Any], list[Any], Path], model: Path) -> dict[str, Any]:
-        from rlinfer_demo.bench_sides import make_batch, paired, spread, time_generate, time_updates
+        from rlinfer_demo.bench_sides import make_batch, spread, time_generate, time_updates, with_control
+        from rlinfer_demo.bench_stats import paired_report
 
         args = self.args
         started = time.perf_counter()
@@ -176,7 +180,7 @@ class Phase:
 
             sides = {"pool" if self.replicas else "engine": whole}
             if self.replicas > 1:
-                sides["one_replica"] = one_replica
+                sides = with_control({**sides, "one_replica": one_replica}, "one_replica")
             rates, tokens = await time_generate(
                 sides,
                 lambda run: make_batch(f"r{run}", args.prompts, args.prompt_len, args.max_tokens, vocab, seed=run + 1),
@@ -187,7 +191,13 @@ class Phase:
                 "tok_per_s": {k: {**spread(v), "samples": v} for k, v in rates.items()},
             }
             if "one_replica" in rates:
-                out["generate"]["paired_pool_over_one_replica"] = paired(rates["pool"], rates["one_replica"])
+                report = paired_report(
+                    rates,
+                    [("pool/one_replica", "pool", "one_replica")],
+                    ("one_replica/one_replica_control", "one_replica", "one_replica_control"),
+                )
+                out["generate"]["paired_pool_over_one_replica"] = report["ratios"]["pool/one_replica"]
+                out["generate"]["control"] = report["control"]
             updates, nbytes, sender = await self._update_sides(target, sets, model)
             seconds = await time_updates(updates, args.sync_runs)
             out["weight_sync"] = {
@@ -292,6 +302,7 @@ def figures(phases: dict[str, Any], n: int) -> dict[str, Any]:
 
     if "paired_pool_over_one_replica" in many.get("generate", {}):
         out[f"scaling_pool{n}_over_one_replica_paired"] = many["generate"]["paired_pool_over_one_replica"]
+        out[f"scaling_pool{n}_control_one_replica_paired"] = many["generate"]["control"]
     if tok(many, "pool") and tok(one, "pool"):
         out[f"scaling_pool{n}_over_pool1"] = tok(many, "pool") / tok(one, "pool")  # type: ignore[operator]
     if tok(one, "pool") and tok(alone, "engine"):
