@@ -16,6 +16,8 @@
 #   - stall:       dev/gpu/bench/stall_bench.py (128 streaming requests; the longest inter-token gap
 #                  a weight update causes, and tokens/s while it runs, vs undisturbed phases; extra
 #                  args: RLINFER_GPU_STALL_ARGS)                               -> $OUT/stall-E.{json,log}
+#   - fp8:         dev/gpu/bench/fp8_refit_bench.py (FP8 rollout from BF16 weights: refit time FP8/BF16,
+#                  |dlogprob| vs the BF16 engine and an HF oracle, updates served) -> $OUT/fp8-E.{json,log}
 #   Two-GPU steps (nvidia-h200-x2; dev/gpu/run_x2.sh drives them, docs/gpu.md "The 2-GPU run"):
 #   - tp2:         the conformance kit at tensor_parallel_size=2 (every engine it opens: the main
 #                  one, the extra architectures', the fault matrix's), verbose  -> $OUT/tp2-E.{json,log}
@@ -27,7 +29,7 @@
 # A run call is limited to 600 s and an engine start takes ~1.5 min on the GPU, so pass one or
 # two steps per call (docs/gpu.md has the sequence). Per-step time limits: RLINFER_GPU_TIMEOUT
 # (seconds, default 540). Extra args: RLINFER_GPU_PYTEST_ARGS (kit), RLINFER_GPU_BENCH_ARGS
-# (rlinfer bench), RLINFER_GPU_WEIGHTSYNC_ARGS, RLINFER_GPU_POOL_ARGS; they come after the GPU
+# (rlinfer bench), RLINFER_GPU_WEIGHTSYNC_ARGS, RLINFER_GPU_POOL_ARGS, RLINFER_GPU_FP8_ARGS; they come after the GPU
 # defaults below, so they win.
 # Writes at most 8 files to $OUT (what a run call can bring back).
 #
@@ -168,6 +170,12 @@ for s in "${STEPS[@]}"; do
       step phase "$OUT/phase-$ENGINE.log" python3 dev/gpu/bench/phase_switch_bench.py \
         --backend "$ENGINE" --model "$MODEL" --json-out "$OUT/phase-$ENGINE.json" "${ENGINE_ARGS[@]}" \
         ${RLINFER_GPU_PHASE_ARGS:-}
+      ;;
+    fp8)
+      # shellcheck disable=SC2086
+      step fp8 "$OUT/fp8-$ENGINE.log" python3 dev/gpu/bench/fp8_refit_bench.py \
+        --backend "$ENGINE" --model "$MODEL" --json-out "$OUT/fp8-$ENGINE.json" "${ENGINE_ARGS[@]}" \
+        ${RLINFER_GPU_FP8_ARGS:-}
       ;;
     stall)
       # shellcheck disable=SC2086

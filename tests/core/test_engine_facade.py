@@ -347,3 +347,23 @@ def test_bad_event_hookimpls_are_rejected_at_registration() -> None:
 
     with pytest.raises(pluggy.PluginValidationError):
         AsyncEngine(DOUBLE_INFO, RecordingDoubleBackend(), EngineConfig(model="m"), [WrongEventArguments()])
+
+
+def test_an_online_quantized_engine_needs_quantized_reload() -> None:
+    """engine_kwargs quantization (an engine quantizing a BF16 checkpoint itself) is refused before
+    the backend starts unless it claims weights.quantized_reload; its weight specs stay the
+    checkpoint's either way."""
+
+    async def body() -> None:
+        with pytest.raises(UnsupportedCapability) as info:
+            await opened(supported=[Capability.WEIGHTS_TENSORS.value], quantization="fp8")
+        assert info.value.capability == Capability.WEIGHTS_QUANTIZED_RELOAD.value
+        assert not backend().started
+        claims = [Capability.WEIGHTS_TENSORS.value, Capability.WEIGHTS_QUANTIZED_RELOAD.value]
+        engine = await opened(supported=claims, quantization="fp8")
+        assert backend().started
+        await engine.update_weights(good_update(2.0))
+        assert engine.weight_version == 1
+        await engine.shutdown()
+
+    run(body())

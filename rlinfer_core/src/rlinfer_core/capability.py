@@ -77,6 +77,14 @@ class Capability(enum.StrEnum):
     PRIORITY = "generate.priority"
     #: LoRA adapters: load, unload, update in place, per-request use (:mod:`rlinfer_core.lora`)
     LORA = "lora"
+    #: an engine started quantized online (``engine_kwargs={"quantization": "fp8"}``) on a
+    #: BF16/FP16 checkpoint takes update_weights in the checkpoint's names, shapes and dtypes (what
+    #: a BF16 trainer holds) and serves them re-quantized by the engine's own online quantization.
+    #: weight_specs stay the checkpoint's; bit-exact weights.checksum cannot hold (the engine
+    #: serves FP8 values and scales), so an update is checked by names/shapes/dtypes and
+    #: finiteness, and the served FP8 weights against the sent ones within FP8's rounding
+    #: (:mod:`rlinfer_core.quantized`) where the backend can read them back
+    WEIGHTS_QUANTIZED_RELOAD = "weights.quantized_reload"
     #: images in requests (GenerateRequest.images, image parts of chat messages) for a
     #: vision-language model; the completion's prompt ids are expanded exactly once and carry
     #: Completion.multimodal (:mod:`rlinfer_core.multimodal`). Notes say which modalities

@@ -95,6 +95,8 @@ class AsyncEngine(EngineAgent, EngineWeights):
             engine.capabilities.require(Capability.GENERATE_HIDDEN_STATES)
         if config.priority_scheduling:
             engine.capabilities.require(Capability.PRIORITY)
+        if config.engine_kwargs.get("quantization") is not None:  # both engines' name for it
+            engine.capabilities.require(Capability.WEIGHTS_QUANTIZED_RELOAD)
         engine._discarded = config.load_format == "dummy"  # random weights: generate waits for an update
         started = time.perf_counter()
         try:

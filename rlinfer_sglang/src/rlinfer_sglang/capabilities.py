@@ -232,6 +232,20 @@ LORA_CUDA_NOTE = (
     "note there), and nothing is claimed on CUDA unverified"
 )
 
+#: FP8 rollout from BF16 training (rlinfer_sglang.requantize)
+QUANTIZED_RELOAD_CPU_NOTE = (
+    "SGLang's FP8 linear method needs AMX on CPU: sglang 0.5.23 started with quantization='fp8' dies while "
+    "loading (fp8.py process_weights_after_loading: 'Fp8LinearMethod on CPU requires that CPU has AMX support'; "
+    "measured here); such an engine is refused before it starts"
+)
+QUANTIZED_RELOAD_CUDA_NOTE = (
+    "engine_kwargs quantization='fp8' on a BF16 checkpoint: SGLang quantizes online at start but never again "
+    "(update_weights_from_tensor loads into the FP8 parameters); rlinfer's scheduler-side loader gives each FP8 "
+    "linear layer a BF16 weight with its loader, loads the update, re-runs SGLang's FP8 quantization and copies "
+    "the new codes and scales into the served tensors (rlinfer_sglang.requantize). weight_specs are the "
+    "checkpoint's; weights.checksum is not claimed on CUDA; block FP8, FP8 checkpoints and FP8 MoE are refused"
+)
+
 MEMORY_RELEASE_OFF_NOTE = (
     "the engine was started without the memory saver; open it with "
     "EngineConfig(enable_memory_release=True) to release memory"
@@ -306,6 +320,7 @@ def capabilities(
             **AGENT_NOTES,
             **PARALLEL_NOTES["cpu"],
             Capability.LORA.value: LORA_CPU_NOTE,
+            Capability.WEIGHTS_QUANTIZED_RELOAD.value: QUANTIZED_RELOAD_CPU_NOTE,
         }
         return Capabilities(BACKEND, engine_version, "cpu", frozenset(supported_cpu), notes_cpu)
     notes = {
@@ -317,7 +332,8 @@ def capabilities(
     }
     for capability in (*SAMPLING, *AGENT_CPU, Capability.WEIGHTS_CHECKSUM):
         notes[capability.value] = f"{CUDA_UNVERIFIED}; on CPU: {notes[capability.value]}"
-    supported = set(COMMON)
+    supported = set(COMMON) | {Capability.WEIGHTS_QUANTIZED_RELOAD}
+    notes[Capability.WEIGHTS_QUANTIZED_RELOAD.value] = QUANTIZED_RELOAD_CUDA_NOTE
     if memory_release is False:
         notes[Capability.MEMORY_RELEASE.value] = MEMORY_RELEASE_OFF_NOTE
     else:

@@ -267,8 +267,10 @@ def load(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
             outcome["map_s"] = time.perf_counter() - started
             outcome["loaded"] = True  # from here on a failure may leave a partial update
             from rlinfer_core.fault_plan import planted
+            from rlinfer_sglang.requantize import requantizing
 
-            model.load_weights(_private_vectors(planted(tensors)))
+            with requantizing(model):  # an online-FP8 engine quantizes the BF16 update again
+                model.load_weights(_private_vectors(planted(tensors)))
             if _device(model).type == "cuda":
                 import torch
 

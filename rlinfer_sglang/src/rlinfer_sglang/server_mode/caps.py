@@ -50,6 +50,9 @@ def server_capabilities(
     ``/server_info`` is ``info``; ``begin_end``: the server has ``/begin_weight_update`` (an SGLang
     without it, e.g. 0.5.16, flushes its cache only when no request is pending)."""
     drop: dict[Capability, str] = {}
+    drop[Capability.WEIGHTS_QUANTIZED_RELOAD] = (
+        "not in server mode (not run on a GPU there); use the in-process backend"
+    )
     if not begin_end:
         drop[Capability.PAUSE_KEEP] = f"server mode: {PAUSE_KEEP_OLD_SGLANG_NOTE}"
     if not chat_template:
