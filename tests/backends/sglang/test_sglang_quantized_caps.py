@@ -3,7 +3,7 @@ AMX, measured), claimed on CUDA in process (rlinfer_sglang.requantize), not in s
 
 from __future__ import annotations
 
-from rlinfer_core.types import Capability
+from rlinfer_core.types import Capability, EngineConfig
 from rlinfer_sglang.capabilities import capabilities
 from rlinfer_sglang.server_mode.caps import server_capabilities
 
@@ -21,3 +21,10 @@ def test_fp8_reload_claimed_on_cuda_in_process_only() -> None:
     assert cuda.supports(QUANTIZED) and "requantize" in cuda.notes[QUANTIZED.value]
     server = server_capabilities(cuda, {}, "http://127.0.0.1:30000", True, False)
     assert not server.supports(QUANTIZED) and "server mode" in server.notes[QUANTIZED.value]
+
+
+def test_fp8_engine_refused_before_a_server_starts() -> None:
+    from rlinfer_sglang.server_mode.backend import SGLangServerBackend
+
+    backend = SGLangServerBackend(EngineConfig(model="m", mode="server", engine_kwargs={"quantization": "fp8"}))
+    assert not backend.rlinfer_capabilities().supports(QUANTIZED)

@@ -29,7 +29,7 @@ from rlinfer_sglang.capabilities import capabilities, installed_platform, instal
 from rlinfer_sglang.config import WEIGHT_LOADER, resolve_platform, server_args
 from rlinfer_sglang.oom import kv_capacity_tokens
 from rlinfer_sglang.server_mode import convert as wire
-from rlinfer_sglang.server_mode.caps import SERVER_ROUTES_NOTE, server_capabilities
+from rlinfer_sglang.server_mode.caps import SERVER_QUANTIZED_RELOAD_NOTE, SERVER_ROUTES_NOTE, server_capabilities
 from rlinfer_sglang.server_mode.generation import Generation
 from rlinfer_sglang.server_mode.launch import SERVER_ROLE, make_server, role_of, server_argv, server_env
 from rlinfer_sglang.server_mode.memory import ServerMemory
@@ -58,7 +58,12 @@ class SGLangServerBackend(ServerMemory, Generation, AgentHooks):
             self.engine_version,
             config.enable_memory_release if self.platform == "cuda" else None,
             config.world_size,
-        ).without({Capability.GENERATE_ROUTED_EXPERTS: SERVER_ROUTES_NOTE})
+        ).without(
+            {
+                Capability.GENERATE_ROUTED_EXPERTS: SERVER_ROUTES_NOTE,
+                Capability.WEIGHTS_QUANTIZED_RELOAD: SERVER_QUANTIZED_RELOAD_NOTE,  # refused before start
+            }
+        )
         self._server = None
         self._http = None
         self._closed = False

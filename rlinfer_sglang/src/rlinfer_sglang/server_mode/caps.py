@@ -14,6 +14,10 @@ from rlinfer_sglang.capabilities import OVERLAP_NOTE, PAUSE_KEEP_OLD_SGLANG_NOTE
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
+#: weights.quantized_reload: rlinfer_sglang.requantize runs in a server's scheduler too, but has
+#: not been run on a GPU in server mode (refused before the server starts)
+SERVER_QUANTIZED_RELOAD_NOTE = "not in server mode (not run on a GPU there); use the in-process backend"
+
 SERVER_NOTES = {
     Capability.WEIGHTS_TENSORS.value: (
         "server mode: named tensors travel as shared-memory / CUDA-IPC handles, base64 in the body of "
@@ -50,9 +54,7 @@ def server_capabilities(
     ``/server_info`` is ``info``; ``begin_end``: the server has ``/begin_weight_update`` (an SGLang
     without it, e.g. 0.5.16, flushes its cache only when no request is pending)."""
     drop: dict[Capability, str] = {}
-    drop[Capability.WEIGHTS_QUANTIZED_RELOAD] = (
-        "not in server mode (not run on a GPU there); use the in-process backend"
-    )
+    drop[Capability.WEIGHTS_QUANTIZED_RELOAD] = SERVER_QUANTIZED_RELOAD_NOTE
     if not begin_end:
         drop[Capability.PAUSE_KEEP] = f"server mode: {PAUSE_KEEP_OLD_SGLANG_NOTE}"
     if not chat_template:
