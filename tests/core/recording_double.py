@@ -46,6 +46,7 @@ SPECS = {
 DEFAULT_SUPPORTED = frozenset(Capability) - {
     Capability.MEMORY_RELEASE,
     Capability.MEMORY_DISCARD_WEIGHTS,
+    Capability.MEMORY_CUDA_GRAPH,
     Capability.CHAT,
     Capability.WEIGHTS_CHECKSUM,
 }

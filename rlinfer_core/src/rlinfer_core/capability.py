@@ -37,6 +37,9 @@ class Capability(enum.StrEnum):
     #: release_memory(discard_weights=True): weights are dropped without a host backup and the
     #: next full update_weights refills them (generate is refused until then)
     MEMORY_DISCARD_WEIGHTS = "memory.discard_weights"
+    #: release_memory(["cuda_graph"]): the captured CUDA graphs' memory is freed too (and is part
+    #: of release_memory() without tags)
+    MEMORY_CUDA_GRAPH = "memory.cuda_graph"
     #: update_weights(WeightDelta): only the tensors that changed since a given base version
     WEIGHTS_DELTA = "weights.delta"
     #: EngineConfig.deterministic: bitwise-identical tokens and logprobs run to run and across

@@ -331,7 +331,7 @@ class EngineWeights(EngineBase):
         resume(kv_cache) -> generate.
         """
         self._ensure_open()
-        wanted = as_memory_tags(tags)
+        wanted = as_memory_tags(tags, self.capabilities)
         if discard_weights:  # first: the error names what was asked for (its note says why)
             self.capabilities.require(Capability.MEMORY_DISCARD_WEIGHTS)
         release = self._optional(MemoryBackend.rlinfer_release_memory)
@@ -359,7 +359,7 @@ class EngineWeights(EngineBase):
     async def resume_memory(self, tags: Iterable[MemoryTag | str] | MemoryTag | str | None = None) -> None:
         """Re-allocate memory released by :meth:`release_memory` (default: all tags)."""
         self._ensure_open()
-        wanted = as_memory_tags(tags)
+        wanted = as_memory_tags(tags, self.capabilities)
         resume = self._optional(MemoryBackend.rlinfer_resume_memory)
         todo = frozenset(wanted & self._released)
         if not todo:

@@ -10,7 +10,7 @@ from rlinfer_core.errors import EngineOutOfMemory, InvalidRequest, WeightUpdateE
 from rlinfer_core.model_info import ModelInfo
 from rlinfer_core.structured import StructuredKind
 from rlinfer_core.types import (
-    ALL_MEMORY_TAGS,
+    BASE_MEMORY_TAGS,
     PAUSE_CAPABILITY,
     Capabilities,
     Capability,
@@ -100,10 +100,21 @@ def request_capabilities(request: GenerateRequest) -> list[Capability]:
     return needed
 
 
-def as_memory_tags(tags: Iterable[MemoryTag | str] | MemoryTag | str | None) -> frozenset[MemoryTag]:
-    """Normalise tags; ``None`` means all tags."""
+def releasable_memory_tags(capabilities: Capabilities) -> frozenset[MemoryTag]:
+    """What ``release_memory()`` without tags acts on: weights and KV cache, and the CUDA graphs'
+    memory where the engine claims ``memory.cuda_graph``."""
+    if capabilities.supports(Capability.MEMORY_CUDA_GRAPH):
+        return BASE_MEMORY_TAGS | {MemoryTag.CUDA_GRAPH}
+    return BASE_MEMORY_TAGS
+
+
+def as_memory_tags(
+    tags: Iterable[MemoryTag | str] | MemoryTag | str | None, capabilities: Capabilities
+) -> frozenset[MemoryTag]:
+    """Normalise tags; ``None`` means every tag the engine can release. Raises
+    UnsupportedCapability for ``cuda_graph`` where the engine does not claim it."""
     if tags is None:
-        return ALL_MEMORY_TAGS
+        return releasable_memory_tags(capabilities)
     if isinstance(tags, str):
         tags = [tags]
     out = set()
@@ -114,6 +125,8 @@ def as_memory_tags(tags: Iterable[MemoryTag | str] | MemoryTag | str | None) -> 
             raise InvalidRequest("tags", f"must be among {[t.value for t in MemoryTag]}, got {tag!r}") from None
     if not out:
         raise InvalidRequest("tags", "must name at least one memory tag")
+    if MemoryTag.CUDA_GRAPH in out:
+        capabilities.require(Capability.MEMORY_CUDA_GRAPH)
     return frozenset(out)
 
 

@@ -49,9 +49,13 @@ class MemoryTag(enum.StrEnum):
 
     WEIGHTS = "weights"
     KV_CACHE = "kv_cache"
+    #: the memory of captured CUDA graphs (capability ``memory.cuda_graph``)
+    CUDA_GRAPH = "cuda_graph"
 
 
 ALL_MEMORY_TAGS: frozenset[MemoryTag] = frozenset(MemoryTag)
+#: what every engine with ``memory.release`` can release
+BASE_MEMORY_TAGS: frozenset[MemoryTag] = frozenset({MemoryTag.WEIGHTS, MemoryTag.KV_CACHE})
 
 
 class PauseMode(enum.StrEnum):

@@ -241,7 +241,7 @@ class EnginePool(PoolAgent, DataPlane):
         """Release memory on every replica (see AsyncEngine.release_memory); ``discard_weights``
         is refused (see :data:`POOL_UNSUPPORTED`)."""
         self._ensure_open()
-        wanted = as_memory_tags(tags)
+        wanted = as_memory_tags(tags, self._caps())
         if discard_weights:
             self._caps().require(Capability.MEMORY_DISCARD_WEIGHTS)
         self._caps().require(Capability.MEMORY_RELEASE)
@@ -260,7 +260,7 @@ class EnginePool(PoolAgent, DataPlane):
     async def resume_memory(self, tags: Iterable[MemoryTag | str] | MemoryTag | str | None = None) -> None:
         """Resume memory on every replica (see AsyncEngine.resume_memory)."""
         self._ensure_open()
-        wanted = as_memory_tags(tags)
+        wanted = as_memory_tags(tags, self._caps())
         self._caps().require(Capability.MEMORY_RELEASE)
         todo = frozenset(wanted & self._released)
         if todo:

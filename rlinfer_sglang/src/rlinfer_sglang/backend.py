@@ -91,6 +91,8 @@ class SGLangBackend(Supervision, Generation, Memory, AgentHooks):
             self.engine_version,
             config.enable_memory_release if self.platform == "cuda" else None,
             config.world_size,
+            lora=bool(config.engine_kwargs.get("enable_lora", False)),
+            cuda_graph=not (config.enforce_eager or config.engine_kwargs.get("disable_cuda_graph", False)),
         )
         self._engine: Engine | None = None
         self._tm: Any = None
@@ -117,6 +119,7 @@ class SGLangBackend(Supervision, Generation, Memory, AgentHooks):
         self._quit_guard = ""
         self.start_seconds: float | None = None
         self._versions = TokenVersions()
+        self._lora_init()
         self._priority_sign = None  # set at start, from SGLang's server args
 
     # --- lifecycle -----------------------------------------------------------------------------
@@ -221,6 +224,7 @@ if TYPE_CHECKING:
         BenchBackend,
         BroadcastBackend,
         ChecksumBackend,
+        LoraBackend,
         MemoryBackend,
         PausingBackend,
         PrefixCacheBackend,
@@ -241,9 +245,10 @@ if TYPE_CHECKING:
         ProcessesBackend,
         BenchBackend,
         ToolsBackend,
+        LoraBackend,
         Protocol,
     ):
-        """Every protocol of the typed boundary but LoraBackend (SGLang's LoRA is not claimed)."""
+        """Every protocol of the typed boundary."""
 
     #: mypy checks the class against those operation hooks (names and signatures)
     _checked: type[_Implemented] = SGLangBackend

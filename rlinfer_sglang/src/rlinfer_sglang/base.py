@@ -59,6 +59,9 @@ class BackendBase:
     _scoring: int = 0  #: raw-logprob scoring prefills in flight
     _versions: TokenVersions
 
+    def _lora_cleanup(self) -> None:
+        """Remove the LoRA adapters' temporary directories (at shutdown)."""
+
     def _mark_dead(self, reason: str) -> None:
         if self._dead is None:
             self._dead = reason

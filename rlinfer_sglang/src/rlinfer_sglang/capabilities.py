@@ -228,8 +228,12 @@ LORA_CPU_NOTE = (
     "start (measured with sglang 0.5.23, lora_backend=torch_native)"
 )
 LORA_CUDA_NOTE = (
-    "not implemented by the rlinfer SGLang backend: SGLang's LoRA cannot be verified on CPU (see its "
-    "note there), and nothing is claimed on CUDA unverified"
+    "SGLang's dynamic LoRA (load/unload by name, lora_path per request); each update is a new "
+    "adapter <name>.v<version>, the old one unloaded once unused"
+)
+LORA_OFF_NOTE = (
+    "the engine was started without LoRA; open it with engine_kwargs enable_lora=True, max_lora_rank >= "
+    "the adapters' rank and lora_target_modules (e.g. 'all')"
 )
 
 #: FP8 rollout from BF16 training (rlinfer_sglang.requantize)
@@ -245,6 +249,15 @@ QUANTIZED_RELOAD_CUDA_NOTE = (
     "the new codes and scales into the served tensors (rlinfer_sglang.requantize). weight_specs are the "
     "checkpoint's; weights.checksum is not claimed on CUDA; block FP8, FP8 checkpoints and FP8 MoE are refused"
 )
+
+CUDA_GRAPH_NOTE = (
+    "SGLang captures its CUDA graphs under the memory saver's cuda_graph region: release_memory(['cuda_graph']) "
+    "frees their memory and resume re-maps it (needs EngineConfig(enable_memory_release=True))"
+)
+CUDA_GRAPH_OFF_NOTE = (
+    "the engine runs without CUDA graphs (enforce_eager / disable_cuda_graph), so there is none to free"
+)
+CUDA_GRAPH_CPU_NOTE = "no CUDA graphs on CPU"
 
 MEMORY_RELEASE_OFF_NOTE = (
     "the engine was started without the memory saver; open it with "
@@ -299,13 +312,19 @@ def installed_platform() -> Platform:
 
 
 def capabilities(
-    platform: Platform, engine_version: str, memory_release: bool | None = None, tensor_parallel_size: int = 1
+    platform: Platform,
+    engine_version: str,
+    memory_release: bool | None = None,
+    tensor_parallel_size: int = 1,
+    lora: bool | None = None,
+    cuda_graph: bool | None = None,
 ) -> Capabilities:
     """Capabilities on ``platform``.
 
-    ``memory_release``: whether the running engine was started with the memory saver; None (as
-    in :func:`describe`) reports what the platform can do. ``tensor_parallel_size``: the engine's
-    ranks (EngineConfig.world_size; checksums need one).
+    ``memory_release``: whether the running engine was started with the memory saver; ``lora``:
+    with LoRA enabled; ``cuda_graph``: with CUDA graphs; None (as in :func:`describe`) reports what
+    the platform can do. ``tensor_parallel_size``: the engine's ranks (EngineConfig.world_size;
+    checksums need one).
     """
     if platform == "cpu":
         supported_cpu = set(COMMON | SAMPLING | AGENT_CPU) | {
@@ -320,6 +339,7 @@ def capabilities(
             **AGENT_NOTES,
             **PARALLEL_NOTES["cpu"],
             Capability.LORA.value: LORA_CPU_NOTE,
+            Capability.MEMORY_CUDA_GRAPH.value: CUDA_GRAPH_CPU_NOTE,
             Capability.WEIGHTS_QUANTIZED_RELOAD.value: QUANTIZED_RELOAD_CPU_NOTE,
         }
         return Capabilities(BACKEND, engine_version, "cpu", frozenset(supported_cpu), notes_cpu)
@@ -328,16 +348,24 @@ def capabilities(
         **SAMPLING_NOTES,
         **AGENT_NOTES,
         **PARALLEL_NOTES["cuda"],
-        Capability.LORA.value: LORA_CUDA_NOTE,
+        Capability.LORA.value: LORA_CUDA_NOTE if lora is not False else LORA_OFF_NOTE,
     }
     for capability in (*SAMPLING, *AGENT_CPU, Capability.WEIGHTS_CHECKSUM):
         notes[capability.value] = f"{CUDA_UNVERIFIED}; on CPU: {notes[capability.value]}"
     supported = set(COMMON) | {Capability.WEIGHTS_QUANTIZED_RELOAD}
     notes[Capability.WEIGHTS_QUANTIZED_RELOAD.value] = QUANTIZED_RELOAD_CUDA_NOTE
+    if lora is not False:
+        supported.add(Capability.LORA)
     if memory_release is False:
         notes[Capability.MEMORY_RELEASE.value] = MEMORY_RELEASE_OFF_NOTE
+        notes[Capability.MEMORY_CUDA_GRAPH.value] = MEMORY_RELEASE_OFF_NOTE
     else:
         supported.add(Capability.MEMORY_RELEASE)
+        if cuda_graph is False:
+            notes[Capability.MEMORY_CUDA_GRAPH.value] = CUDA_GRAPH_OFF_NOTE
+        else:
+            supported.add(Capability.MEMORY_CUDA_GRAPH)
+            notes[Capability.MEMORY_CUDA_GRAPH.value] = CUDA_GRAPH_NOTE
     return Capabilities(BACKEND, engine_version, "cuda", frozenset(supported), notes)
 
 

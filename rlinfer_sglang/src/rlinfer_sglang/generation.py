@@ -26,9 +26,10 @@ from rlinfer_core.types import (
 )
 from rlinfer_sglang import convert
 from rlinfer_sglang.inflight import InFlight
+from rlinfer_sglang.lora import LoraHooks
 
 
-class Generation(InFlight):
+class Generation(InFlight, LoraHooks):
     """``rlinfer_generate``, ``rlinfer_generate_stream`` and the raw-generate bench hook."""
 
     def _prompt_ids(self, request: GenerateRequest) -> list[int]:
@@ -47,6 +48,13 @@ class Generation(InFlight):
         """
         self._alive()
         prompts = [self._prompt_ids(r) for r in requests]
+        self._lora_acquire(requests)
+        try:
+            return await self._generate(requests, prompts)
+        finally:
+            await self._lora_done(requests)
+
+    async def _generate(self, requests: Sequence[GenerateRequest], prompts: list[list[int]]) -> list[Completion]:
         samples = [(r, i, ids) for r, ids in zip(requests, prompts, strict=True) for i in range(r.sampling.n)]
         started = time.perf_counter()
         admitted = await self._admit_all([r.request_id for r, _, _ in samples])
@@ -132,6 +140,7 @@ class Generation(InFlight):
             return_hidden_states=[r.sampling.return_hidden_states for r, _, _ in samples],
             **{key: [a[key] for a in args] for key in args[0]},
             **convert.priority_arg(samples[0][0], self._priority_sign),
+            **self._lora_paths([r for r, _, _ in samples]),
         )
         result: list[Any] = await self._tm.generate_request(obj, None).__anext__()
         return result
@@ -193,6 +202,11 @@ class Generation(InFlight):
             raise RLInferError(f"the hidden size of {self.config.model!r} is unknown (no config.json hidden_size)")
         return int(size)
 
+    def _lora_paths(self, requests: Sequence[GenerateRequest]) -> dict[str, Any]:
+        """``GenerateReqInput``'s per-sample ``lora_path`` list ({} when no sample names an adapter)."""
+        paths = [self._lora_arg(r).get("lora_path") for r in requests]
+        return {"lora_path": paths} if any(paths) else {}
+
     def _params(self, request: GenerateRequest, ids: list[int]) -> dict[str, Any]:
         assert self._info is not None
         return convert.sampling_params(request, len(ids), self._max_len(), self._info.vocab_size)
@@ -219,6 +233,7 @@ class Generation(InFlight):
             return_hidden_states=request.sampling.return_hidden_states,
             **convert.logprob_args(request, self._processor()),
             **convert.priority_arg(request, self._priority_sign),
+            **self._lora_arg(request),
         )
         generator = self._tm.generate_request(obj, None)
         return generator if stream else generator.__anext__()
@@ -228,12 +243,14 @@ class Generation(InFlight):
         """Stream deltas of every sample (SGLang streams cumulative outputs; deltas are cut here)."""
         self._alive()
         ids = self._prompt_ids(request)
+        self._lora_acquire([request])
         samples = [self._stream_sample(request, i, ids) for i in range(request.sampling.n)]
         try:
             async for delta in merge(samples):
                 yield delta
         finally:
             self._aborted.discard(request.request_id)
+            await self._lora_done([request])
 
     async def _stream_sample(
         self, request: GenerateRequest, index: int, ids: list[int]

@@ -205,6 +205,7 @@ class Supervision(BackendBase):
                 engine.send_to_rpc.close(linger=0)
             atexit.unregister(self._kill_now)
         shutil.rmtree(self._result_dir, ignore_errors=True)
+        self._lora_cleanup()
         self._restore_signals()
 
     def _restore_signals(self) -> None:

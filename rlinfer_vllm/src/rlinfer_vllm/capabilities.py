@@ -114,6 +114,7 @@ SHARED_NOTES = {
 }
 
 CPU_NOTES = {
+    Capability.MEMORY_CUDA_GRAPH.value: "no CUDA graphs on CPU",
     Capability.GENERATE_ROUTED_EXPERTS.value: (
         "vLLM returns routed experts through its AuxOutput connector (enable_return_routed_experts), which "
         "needs Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1), which needs Triton; the CPU build has no Triton "
@@ -149,6 +150,11 @@ QUANTIZED_RELOAD_NOTE = (
     "Server mode does not claim it (not run on a GPU there)"
 )
 
+CUDA_GRAPH_NOTE = (
+    "not offered: vLLM's sleep mode releases the tags weights and kv_cache (its CuMemAllocator pools); the "
+    "CUDA graphs' memory pool stays allocated"
+)
+
 CUDA_NOTES = {
     Capability.GENERATE_ROUTED_EXPERTS.value: (
         "not claimed: EngineConfig.enable_routed_experts is mapped (enable_return_routed_experts, "
@@ -163,6 +169,7 @@ CUDA_NOTES = {
     Capability.WEIGHTS_QUANTIZED_RELOAD.value: QUANTIZED_RELOAD_NOTE,
     Capability.WEIGHTS_BROADCAST.value: "NCCL group; the worker receives, checks finiteness, then loads",
     Capability.MEMORY_DISCARD_WEIGHTS.value: "vLLM sleep(level=2): weights and KV cache dropped, no host copy",
+    Capability.MEMORY_CUDA_GRAPH.value: CUDA_GRAPH_NOTE,
     Capability.DETERMINISTIC.value: (
         "EngineConfig(deterministic=True) starts vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1 in the "
         "engine's processes): bitwise-identical tokens and logprobs run to run and across batch compositions "

@@ -15,12 +15,13 @@ from rlinfer_core.model_info import ModelInfo
 from rlinfer_core.types import Completion, CompletionDelta, FinishReason, GenerateRequest, LogprobsMode
 from rlinfer_vllm import convert
 from rlinfer_vllm.batch import complete_all
+from rlinfer_vllm.lora import lora_request
 from rlinfer_vllm.raw import RawLogprobs, delta_tokens
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from rlinfer_vllm.lora import Served
+    from rlinfer_core.lora_shelf import ServedAdapter
 
 
 class Generation(RawLogprobs):
@@ -29,10 +30,10 @@ class Generation(RawLogprobs):
     _info: ModelInfo | None
     _inflight: set[str]
 
-    def _lora_acquire(self, request: GenerateRequest) -> Served | None:
+    def _lora_acquire(self, request: GenerateRequest) -> ServedAdapter | None:
         raise NotImplementedError
 
-    async def _lora_done(self, served: Served | None) -> None:
+    async def _lora_done(self, served: ServedAdapter | None) -> None:
         raise NotImplementedError
 
     def _prompt_ids(self, llm: AsyncLLM, request: GenerateRequest) -> list[int]:
@@ -58,7 +59,7 @@ class Generation(RawLogprobs):
         started = time.perf_counter()
         last = None
         served = self._lora_acquire(request)
-        lora = served.request if served is not None else None
+        lora = lora_request(served)
         try:
             self._inflight.add(request.request_id)
             try:
@@ -99,7 +100,7 @@ class Generation(RawLogprobs):
         versions = self._versions
         assert versions is not None
         served = self._lora_acquire(request)
-        lora = served.request if served is not None else None
+        lora = lora_request(served)
         raw = request.sampling.logprobs_mode is LogprobsMode.RAW
         seen: dict[int, list[int]] = {}
         self._inflight.add(request.request_id)

@@ -69,6 +69,13 @@ def test_cpu_capabilities_are_honest() -> None:
         assert caps.notes[pause.value], "each pause mode documents its SGLang mapping"
 
 
+def test_lora_is_claimed_on_cuda_only_for_an_engine_started_with_it() -> None:
+    assert capabilities("cuda", "sglang 0.5.16", lora=True).supports(Capability.LORA)
+    off = capabilities("cuda", "sglang 0.5.16", lora=False)
+    assert not off.supports(Capability.LORA) and "enable_lora" in off.notes[Capability.LORA.value]
+    assert not capabilities("cpu", "sglang 0.5.23", lora=True).supports(Capability.LORA), "pinned host tensors"
+
+
 def test_cuda_memory_release_depends_on_the_memory_saver() -> None:
     assert capabilities("cuda", "sglang 0.5.16").supports(Capability.MEMORY_RELEASE)
     off = capabilities("cuda", "sglang 0.5.16", memory_release=False)

@@ -7,6 +7,7 @@ import pytest
 
 from rlinfer_conformance.world import BASE, OTHER, KitWorld
 from rlinfer_core.errors import WeightsNotLoaded, WeightUpdateError
+from rlinfer_core.preflight import releasable_memory_tags
 from rlinfer_core.types import Capability, GenerateRequest, MemoryTag
 from rlinfer_core.weights import NamedTensors, WeightDelta
 
@@ -28,7 +29,7 @@ def test_discarded_weights_refuse_generation_until_a_full_update(rlinfer_base_we
     version = engine.weight_version
     engine.release_memory(discard_weights=True)
     try:
-        assert engine.released == frozenset(MemoryTag) and engine.weights_discarded
+        assert engine.released == releasable_memory_tags(engine.capabilities) and engine.weights_discarded
         engine.resume_memory()
         request = GenerateRequest(prompt_token_ids=[1, 2])
         with pytest.raises(WeightsNotLoaded):
@@ -65,7 +66,7 @@ def test_phase_switch_with_discarded_weights(rlinfer_base_weights: KitWorld) -> 
         engine.resume_memory([MemoryTag.WEIGHTS])
         engine.update_weights(world.source(world.local_transports()[0], OTHER))
         world.current = OTHER
-        engine.resume_memory([MemoryTag.KV_CACHE])
+        engine.resume_memory()  # the KV cache (and the CUDA graphs, where they were released)
         assert not engine.released and not engine.weights_discarded
         world.generate_and_check("after_discard_phase_switch")
     finally:

@@ -6,9 +6,14 @@ import pytest
 
 from rlinfer_conformance.world import KitWorld
 from rlinfer_core.errors import InvalidRequest
+from rlinfer_core.preflight import releasable_memory_tags
 from rlinfer_core.types import Capability, GenerateRequest, MemoryTag
 
-__all__ = ["test_release_resume_keeps_outputs", "test_release_tags_one_by_one"]
+__all__ = [
+    "test_release_cuda_graphs_frees_their_memory_and_keeps_outputs",
+    "test_release_resume_keeps_outputs",
+    "test_release_tags_one_by_one",
+]
 
 
 #: release_memory must free at least this share of the memory the engine holds
@@ -58,7 +63,7 @@ def test_release_resume_keeps_outputs(rlinfer_world: KitWorld) -> None:
                 f"release_memory freed {freed / 2**20:.1f} MiB of the {held / 2**20:.1f} MiB the engine holds "
                 f"for weights and KV cache ({freed / held:.0%} < {MIN_FREED_SHARE:.0%})"
             )
-        assert rlinfer_world.engine.released == frozenset(MemoryTag)
+        assert rlinfer_world.engine.released == releasable_memory_tags(rlinfer_world.engine.capabilities)
         with pytest.raises(InvalidRequest):
             rlinfer_world.engine.generate([GenerateRequest(prompt_token_ids=[1, 2])])
     finally:
@@ -71,7 +76,25 @@ def test_release_resume_keeps_outputs(rlinfer_world: KitWorld) -> None:
 
 @pytest.mark.requires(Capability.MEMORY_RELEASE)
 def test_release_tags_one_by_one(rlinfer_world: KitWorld) -> None:
-    for tag in (MemoryTag.KV_CACHE, MemoryTag.WEIGHTS):
+    for tag in sorted(releasable_memory_tags(rlinfer_world.engine.capabilities)):
         rlinfer_world.engine.release_memory([tag])
         rlinfer_world.engine.resume_memory([tag])
         rlinfer_world.generate_and_check(f"after_release_resume_{tag.value}", max_tokens=6)
+
+
+@pytest.mark.requires(Capability.MEMORY_RELEASE, Capability.MEMORY_CUDA_GRAPH)
+def test_release_cuda_graphs_frees_their_memory_and_keeps_outputs(rlinfer_world: KitWorld) -> None:
+    before = rlinfer_world.generate_and_check(None, max_tokens=6)
+    device_before = _device_bytes(rlinfer_world)
+    rlinfer_world.engine.release_memory([MemoryTag.CUDA_GRAPH])
+    try:
+        assert rlinfer_world.engine.released == {MemoryTag.CUDA_GRAPH}
+        device_released = _device_bytes(rlinfer_world)
+        assert device_before is not None and device_released is not None, "CUDA graphs live on CUDA"
+        freed = device_released[0] - device_before[0]
+        rlinfer_world.report.timings["cuda_graph_freed_bytes"] = float(freed)
+        assert freed > 0, f"releasing the CUDA graphs freed {freed} bytes"
+    finally:
+        rlinfer_world.engine.resume_memory([MemoryTag.CUDA_GRAPH])
+    after = rlinfer_world.generate_and_check("after_cuda_graph_release", max_tokens=6)
+    assert [c.token_ids for c in before] == [c.token_ids for c in after]

@@ -109,6 +109,7 @@ PROBES: dict[Capability, Callable[[KitWorld], Any]] = {
     Capability.GRAMMAR_EBNF: _gen(structured={"ebnf": 'root ::= "a"'}),
     Capability.PRIORITY: lambda w: w.engine.generate([GenerateRequest(prompt_token_ids=[1, 2], priority=1)]),
     Capability.LORA: lambda w: w.engine.list_loras(),
+    Capability.MEMORY_CUDA_GRAPH: lambda w: w.engine.release_memory(["cuda_graph"]),
     Capability.WEIGHTS_QUANTIZED_RELOAD: _quantized_reload,
     Capability.MULTIMODAL: _images,
 }

@@ -10,6 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from rlinfer_conformance.checks import check_batch
 from rlinfer_conformance.world import BASE, OTHER, KitWorld
 from rlinfer_core.errors import InvalidRequest, WeightUpdateError
+from rlinfer_core.preflight import releasable_memory_tags
 from rlinfer_core.types import Capability, GenerateRequest, MemoryTag, SamplingParams
 
 __all__ = ["test_state_machine"]
@@ -58,7 +59,7 @@ def machine_for(world: KitWorld) -> type[RuleBasedStateMachine]:
             self.version += 1
 
         @precondition(lambda self: releasable)
-        @rule(tag=st.sampled_from(list(MemoryTag)))
+        @rule(tag=st.sampled_from(sorted(releasable_memory_tags(world.engine.capabilities))))
         def release(self, tag: MemoryTag) -> None:
             world.engine.release_memory([tag])
             self.released.add(tag)

@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 import attrs
 
 from rlinfer_core.types import Capabilities, Capability
-from rlinfer_sglang.capabilities import OVERLAP_NOTE, PAUSE_KEEP_OLD_SGLANG_NOTE, PRIORITY_OFF_NOTE
+from rlinfer_sglang.capabilities import CUDA_GRAPH_OFF_NOTE, OVERLAP_NOTE, PAUSE_KEEP_OLD_SGLANG_NOTE, PRIORITY_OFF_NOTE
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -53,7 +53,10 @@ def server_capabilities(
     """``base`` (the platform's in-process capabilities) for the server at ``url`` whose
     ``/server_info`` is ``info``; ``begin_end``: the server has ``/begin_weight_update`` (an SGLang
     without it, e.g. 0.5.16, flushes its cache only when no request is pending)."""
-    drop: dict[Capability, str] = {}
+    drop: dict[Capability, str] = {
+        Capability.LORA: "not in server mode: the SGLang server backend does not implement the LoRA hooks yet; "
+        "use the in-process backend",
+    }
     drop[Capability.WEIGHTS_QUANTIZED_RELOAD] = SERVER_QUANTIZED_RELOAD_NOTE
     if not begin_end:
         drop[Capability.PAUSE_KEEP] = f"server mode: {PAUSE_KEEP_OLD_SGLANG_NOTE}"
@@ -82,4 +85,7 @@ def server_capabilities(
         drop[Capability.DETERMINISTIC] = "the server was started without --enable-deterministic-inference"
     if base.platform == "cuda" and not info.get("enable_memory_saver", False):
         drop[Capability.MEMORY_RELEASE] = "the server was started without SGLang's memory saver (--enable-memory-saver)"
+        drop[Capability.MEMORY_CUDA_GRAPH] = drop[Capability.MEMORY_RELEASE]
+    if info.get("disable_cuda_graph", False):
+        drop[Capability.MEMORY_CUDA_GRAPH] = CUDA_GRAPH_OFF_NOTE
     return attrs.evolve(base, notes={**base.notes, **SERVER_NOTES}).without(drop)
