@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import datetime
 import itertools
 import json
@@ -103,8 +104,6 @@ def _gaps(times: array[float], lo: int, hi: int) -> list[float]:
 
 def phase_stats(load: Load, t0: float, t1: float) -> dict[str, Any]:
     """Tokens/s in [t0, t1) and the gaps that end in it (ms: p50, p99, max)."""
-    import bisect
-
     import numpy as np
 
     gaps: list[float] = []
@@ -124,8 +123,6 @@ def phase_stats(load: Load, t0: float, t1: float) -> dict[str, Any]:
 
 def window_tokens(load: Load, u0: float, u1: float) -> int:
     """Tokens that arrived in [u0, u1)."""
-    import bisect
-
     return sum(
         sum(c[bisect.bisect_left(t, u0) : bisect.bisect_left(t, u1)])
         for t, c in zip(load.times, load.counts, strict=True)
@@ -135,8 +132,6 @@ def window_tokens(load: Load, u0: float, u1: float) -> int:
 def stall(load: Load, u0: float, u1: float) -> dict[str, float]:
     """The longest gap (ms) that overlaps [u0, u1] (it began before u1 and ended after u0), and how
     many requests had such a gap (in flight across the window)."""
-    import bisect
-
     worst, affected = 0.0, 0
     for times in load.times:
         lo, hi = bisect.bisect_right(times, u0), min(bisect.bisect_left(times, u1), len(times) - 1)
@@ -288,21 +283,28 @@ async def measure(engine: Any, args: argparse.Namespace, model: Path, result: di
     plan: dict[str, list[tuple[tuple[float, float], tuple[float, float], list[dict[str, float]]]]] = {
         m: [] for m in modes
     }
+    failed: dict[str, str] = {}  # a mode whose update raised runs no more rounds; the others go on
     for _ in range(args.rounds):
-        for mode in modes:
+        for mode in (m for m in modes if m not in failed):
             t0 = time.perf_counter()
             await asyncio.sleep(args.phase_s)
             phase_a = (t0, time.perf_counter())
-            b0, b1, events = await phase_b(engine, args, mode, sets)
+            try:
+                b0, b1, events = await phase_b(engine, args, mode, sets)
+            except Exception as exc:
+                failed[mode] = f"{mode}: {type(exc).__name__}: {exc}"
+                continue
             plan[mode].append((phase_a, (b0, b1), events))
     # near 1.0: the bench's own event loop (streams, the engine's output handling) is saturated
     result["bench_process_cpu_fraction"] = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
     await load.stop()
     result["requests"] = len(load.times)
     result["load_errors"] = {"count": len(load.errors), "first": load.errors[:5]}
+    result["errors"] += list(failed.values())
     for mode, rounds in plan.items():
         analysed = [analyse_round(load, pa, pb, ev) for pa, pb, ev in rounds]
-        result["modes"][mode] = {"rounds": analysed, "summary": summarise(analysed, args.device == "cuda")}
+        summary = summarise(analysed, args.device == "cuda") if analysed else {}
+        result["modes"][mode] = {"rounds": analysed, "summary": summary, "error": failed.get(mode)}
 
 
 async def run(args: argparse.Namespace, result: dict[str, Any]) -> None:
@@ -328,19 +330,19 @@ async def run(args: argparse.Namespace, result: dict[str, Any]) -> None:
 
 def summary_text(result: dict[str, Any]) -> str:
     """One line per mode."""
-    lines = [
-        f"stall bench, {result['backend']} on {result['device']} ({result.get('weights', {}).get('gb', 0):.3f} GB)"
-    ]
+    gb, cpu = result.get("weights", {}).get("gb", 0), result.get("bench_process_cpu_fraction", 0)
+    lines = [f"stall bench, {result['backend']} on {result.get('device')} ({gb:.3f} GB; bench process CPU {cpu:.2f})"]
     for mode, m in result.get("modes", {}).items():
-        if "not_claimed" in m:
-            lines.append(f"  {mode}: not claimed ({m['not_claimed'] or 'no reason given'})")
+        if not m.get("summary"):
+            lines.append(f"  {mode}: " + (m.get("error") or f"not claimed ({m.get('not_claimed') or 'no reason'})"))
             continue
         s = m["summary"]
+        staging = f" (staging {s['stage_ms']['median']:.1f} ms)" if "stage_ms" in s else ""
         lines.append(
             f"  {mode}: stall {s['stall_ms']['median']:.1f} ms median, {s['stall_ms']['max']:.1f} max; excess over "
             f"a step {s['stall_excess_ms']['median']:.1f} / {s['stall_excess_ms']['max']:.1f} ms (placebo "
             f"{s['placebo_excess_ms']['median']:.1f} / {s['placebo_excess_ms']['max']:.1f}); update "
-            f"{s['update_ms']['median']:.1f} ms; window ratio {s['window_ratio']['median']:.3f} "
+            f"{s['update_ms']['median']:.1f} ms{staging}; window ratio {s['window_ratio']['median']:.3f} "
             f"({s['window_ratio']['min']:.3f}-{s['window_ratio']['max']:.3f}, placebo "
             f"{s['placebo_window_ratio']['median']:.3f}); B/A {s['b_over_a']['median']:.3f}; "
             f"A spread {s['a_over_median_a']['min']:.3f}-{s['a_over_median_a']['max']:.3f}; goal {s.get('goal_met')}"
