@@ -63,6 +63,9 @@ class RecordingDoubleBackend:
         self.supported = frozenset(Capability(c) for c in kwargs.get("supported", DEFAULT_SUPPORTED))
         self.generate_delay_s = float(kwargs.get("generate_delay_s", 0.0))
         self.fail_update = bool(kwargs.get("fail_update", False))
+        self.fail_stage = bool(kwargs.get("fail_stage", False))
+        #: staging id -> the updates staged under it (what a real engine would hold)
+        self.staged: dict[str, list[WeightUpdate]] = {}
         self.calls: list[tuple[str, Any]] = []
         self.started = False
         self.adapters: dict[str, LoraAdapter] = {}
@@ -144,6 +147,25 @@ class RecordingDoubleBackend:
         self.calls.append(("update_weights", update))
         if self.fail_update:
             raise RuntimeError("double: simulated load failure")
+
+    @hookimpl
+    async def rlinfer_stage_weights(self, staging_id: str, update: WeightUpdate) -> None:
+        self.calls.append(("stage_weights", (staging_id, update)))
+        if self.fail_stage:
+            raise RuntimeError("double: simulated staging failure")
+        self.staged.setdefault(staging_id, []).append(update)
+
+    @hookimpl
+    async def rlinfer_commit_staged_weights(self, staging_id: str, version: int) -> None:
+        self.calls.append(("commit_staged_weights", (staging_id, version)))
+        if self.fail_update:
+            raise RuntimeError("double: simulated load failure")
+        self.staged.pop(staging_id)
+
+    @hookimpl
+    async def rlinfer_cancel_staged_weights(self, staging_id: str) -> None:
+        self.calls.append(("cancel_staged_weights", staging_id))
+        self.staged.pop(staging_id, None)
 
     @hookimpl
     async def rlinfer_init_weight_broadcast(self, group: BroadcastGroup) -> None:

@@ -139,6 +139,16 @@ class ChecksumBackend(Protocol):
 
 @runtime_checkable
 @_view_of_hookspecs
+class StagingBackend(Protocol):
+    """Stages weights in the engine while it generates."""
+
+    def rlinfer_stage_weights(self, staging_id: str, update: WeightUpdate) -> Awaitable[None]: ...
+    def rlinfer_commit_staged_weights(self, staging_id: str, version: int) -> Awaitable[None]: ...
+    def rlinfer_cancel_staged_weights(self, staging_id: str) -> Awaitable[None]: ...
+
+
+@runtime_checkable
+@_view_of_hookspecs
 class MemoryBackend(Protocol):
     """Releases and resumes accelerator memory."""
 
@@ -196,6 +206,7 @@ class FullBackend(
     PausingBackend,
     BroadcastBackend,
     ChecksumBackend,
+    StagingBackend,
     MemoryBackend,
     PrefixCacheBackend,
     ProcessesBackend,
@@ -292,6 +303,7 @@ __all__ = [
     "PausingBackend",
     "PrefixCacheBackend",
     "ProcessesBackend",
+    "StagingBackend",
     "StreamingBackend",
     "ToolsBackend",
     "check_backend",

@@ -42,6 +42,10 @@ class Capability(enum.StrEnum):
     MEMORY_CUDA_GRAPH = "memory.cuda_graph"
     #: update_weights(WeightDelta): only the tensors that changed since a given base version
     WEIGHTS_DELTA = "weights.delta"
+    #: stage_weights(update) -> handle: the next weights move into the engine's own processes
+    #: while generation goes on, and handle.commit() makes them live at a step boundary
+    #: (:mod:`rlinfer_core.staging`)
+    WEIGHTS_STAGED = "weights.staged"
     #: EngineConfig.deterministic: bitwise-identical tokens and logprobs run to run and across
     #: batch compositions (the engines' batch-invariant / deterministic modes)
     DETERMINISTIC = "generate.deterministic"

@@ -23,7 +23,7 @@ from rlinfer_core.agent import attach_tool_calls, derive_capabilities
 from rlinfer_core.backend import AbortingBackend, PausingBackend, StreamingBackend, claimed_but_missing
 from rlinfer_core.discovery import get_backend, plugin_objects
 from rlinfer_core.engine_agent import EngineAgent
-from rlinfer_core.engine_weights import EngineWeights
+from rlinfer_core.engine_staging import EngineStaging
 from rlinfer_core.errors import BackendLoadError, InvalidRequest
 from rlinfer_core.oom_retry import OutOfMemoryRetry, retrying_out_of_memory
 from rlinfer_core.preflight import (
@@ -50,11 +50,12 @@ from rlinfer_core.types import (
 ABORT_SETTLE_S = 2.0
 
 
-class AsyncEngine(EngineAgent, EngineWeights):
+class AsyncEngine(EngineAgent, EngineStaging):
     """One running engine behind the rlinfer contract. Build it with :meth:`open`.
 
     Its parts: :class:`~rlinfer_core.engine_base.EngineBase` (state, timeouts),
-    :class:`~rlinfer_core.engine_weights.EngineWeights` (weights, memory, bench); this class holds
+    :class:`~rlinfer_core.engine_weights.EngineWeights` (weights, memory, bench),
+    :class:`~rlinfer_core.engine_staging.EngineStaging` (staged weight updates); this class holds
     the lifecycle, generation and pause.
     """
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, assert_never
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, assert_never
 
 import attrs
 
@@ -24,6 +24,7 @@ from rlinfer_core.errors import (
     EngineTimeout,
     InvalidRequest,
     WeightsNotLoaded,
+    WeightStagingError,
     WeightUpdateError,
     WeightVerificationError,
 )
@@ -40,6 +41,9 @@ from rlinfer_core.weights import (
     WeightSource,
     WeightUpdate,
 )
+
+if TYPE_CHECKING:
+    from rlinfer_core.staging import AsyncWeightStaging
 
 UNVERIFIED = (
     "the last weight update was loaded but not served as sent (WeightVerificationError); load a full "
@@ -94,6 +98,8 @@ class EngineWeights(EngineBase):
     _discarded: bool = False
     #: why generation is refused while ``_discarded``
     _not_loaded_reason: str = DISCARDED
+    #: the staged update now open (rlinfer_core.engine_staging), if any
+    _open_staging: AsyncWeightStaging | None = None
 
     # --- weight sync ---------------------------------------------------------------------------
 
@@ -125,6 +131,7 @@ class EngineWeights(EngineBase):
             transport = transport_name(update.source)
         async with self._weight_lock:
             try:
+                self._refuse_while_staging()
                 update = attrs.evolve(update, source=self._under_checkpoint_names(update.source))
                 target = update_target(update, self._version, self.capabilities, self._released)
                 self._check_refill(update.source, base)
@@ -132,22 +139,8 @@ class EngineWeights(EngineBase):
 
                 nbytes = validate_source(update.source, self.weight_specs)
                 started = time.perf_counter()
-                try:
-                    await self._with_timeout(
-                        self._backend.rlinfer_update_weights(attrs.evolve(update, version=target)),
-                        self.config.request_timeout_s,
-                        "update_weights",
-                    )
-                except (WeightUpdateError, EngineDead, EngineTimeout):
-                    raise
-                except Exception as exc:
-                    await self._raise_if_dead(exc)
-                    raise WeightUpdateError(f"backend {self.backend_name!r} failed to load the update: {exc}") from exc
-                await self._verify_update(update.source)
-                self._version = target
-                self._discarded = False
-                self._not_loaded_reason = DISCARDED
-                await self._reset_prefix_cache()
+                load = self._backend.rlinfer_update_weights(attrs.evolve(update, version=target))
+                await self._load_verified(load, [update.source], target, "update_weights")
             except Exception as exc:
                 self._observers.emit(
                     "rlinfer_on_weight_update_failed", backend=self.backend_name, transport=transport, error=exc
@@ -162,6 +155,34 @@ class EngineWeights(EngineBase):
             seconds=time.perf_counter() - started,
         )
         return target
+
+    async def _load_verified(
+        self, load: Awaitable[None], sources: Sequence[WeightSource], target: int, what: str
+    ) -> None:
+        """Await the backend's ``load`` (its errors typed), verify what the engine then serves
+        against ``sources``, and make ``target`` the live version (update_weights and a staged
+        commit)."""
+        try:
+            await self._with_timeout(load, self.config.request_timeout_s, what)
+        except (WeightUpdateError, EngineDead, EngineTimeout):
+            raise
+        except Exception as exc:
+            await self._raise_if_dead(exc)
+            raise WeightUpdateError(f"backend {self.backend_name!r} failed to load the update: {exc}") from exc
+        await self._verify_update(*sources)
+        self._version = target
+        self._discarded = False
+        self._not_loaded_reason = DISCARDED
+        await self._reset_prefix_cache()
+
+    def _refuse_while_staging(self) -> None:
+        """update_weights while a staged update is open would make the staging's version and
+        base stale: refused (commit or cancel the staging first)."""
+        if self._open_staging is not None:
+            raise WeightStagingError(
+                f"a staged update ({self._open_staging.staging_id}, version {self._open_staging.version}) is open; "
+                "commit or cancel it before update_weights"
+            )
 
     @functools.cached_property
     def _trainer_names(self) -> NameMap:
@@ -189,21 +210,22 @@ class EngineWeights(EngineBase):
         engine with ``weights.checksum``)."""
         return self.config.verify_updates and self.capabilities.supports(Capability.WEIGHTS_CHECKSUM)
 
-    async def _verify_update(self, source: WeightSource) -> None:
+    async def _verify_update(self, *sources: WeightSource) -> None:
         """After a load: the engine's checksums of the updated tensors against the trainer's.
 
         On a difference the engine serves neither policy: generation is refused until a full
         update loads and verifies (WeightVerificationError). A broadcast's tensors never pass
         through this process, so a broadcast update is verified only by ``verify_weights``.
         """
-        if not self.verifies_updates or isinstance(source, BroadcastSource):
+        sent = [pair for source in sources if not isinstance(source, BroadcastSource) for pair in sent_tensors(source)]
+        if not self.verifies_updates or not sent:
             return
         from rlinfer_core.checksum import verify
 
         weights_checksum = self._optional(ChecksumBackend.rlinfer_weights_checksum)
         served = await self._with_timeout(weights_checksum(), self.config.request_timeout_s, "weights_checksum")
         tied = self.model_info.tied_weights if self.model_info is not None else {}
-        result = verify(served, sent_tensors(source), tied)
+        result = verify(served, sent, tied)
         if not result.ok:
             self._discarded = True
             self._not_loaded_reason = UNVERIFIED
@@ -214,16 +236,16 @@ class EngineWeights(EngineBase):
                 result.missing,
             )
 
-    def _check_refill(self, source: WeightSource, base: int | None) -> None:
+    def _check_refill(self, source: WeightSource | frozenset[str], base: int | None) -> None:
         """Refuse a delta for another base version, and anything but a full update while the
-        weights are discarded."""
+        weights are discarded (``source``: an update's source, or the names it carries)."""
         if self._discarded:
             if base is not None:
                 raise WeightUpdateError(
                     "a delta cannot be applied: the weights were released with discard_weights=True and "
                     "hold nothing it could apply to; send a full update (every name of weight_specs)"
                 )
-            missing = sorted(self._uncovered(source_names(source)))
+            missing = sorted(self._uncovered(source if isinstance(source, frozenset) else source_names(source)))
             if missing:
                 raise WeightUpdateError(
                     f"the engine holds no valid weights (discard_weights=True or load_format='dummy'): only a "

@@ -94,6 +94,27 @@ class WeightVerificationError(WeightUpdateError):
         )
 
 
+class WeightStagingError(WeightUpdateError):
+    """A staged weight update (``stage_weights``, capability ``weights.staged``) cannot go on:
+    another staging is open, the handle was already committed or cancelled, or ``update_weights``
+    was called while a staging is open. The engine still serves the previous weights and version."""
+
+
+class StagingLimitExceeded(WeightStagingError):
+    """Staging this update would hold more than ``EngineConfig.max_staged_weight_bytes`` in the
+    engine (``staged_bytes`` already held, ``requested`` more, ``limit``); nothing of it was staged.
+    Commit what is staged first, or raise the bound."""
+
+    def __init__(self, staged_bytes: int, requested: int, limit: int) -> None:
+        self.staged_bytes = staged_bytes
+        self.requested = requested
+        self.limit = limit
+        super().__init__(
+            f"staging {requested} more bytes would hold {staged_bytes + requested} bytes in the engine, over "
+            f"EngineConfig.max_staged_weight_bytes={limit}; nothing of this update was staged"
+        )
+
+
 class WeightsNotLoaded(RLInferError):
     """The engine holds no valid weights: they were released with ``discard_weights=True``.
 

@@ -194,6 +194,38 @@ def rlinfer_init_weight_broadcast(group: BroadcastGroup) -> Awaitable[None]:
     """Join the trainer's torch.distributed weight group (engine ranks 1..world_size-1)."""
 
 
+# --- staged weight updates (optional: only for backends claiming Capability.WEIGHTS_STAGED) ------
+
+
+@optional(Capability.WEIGHTS_STAGED)
+@hookspec(firstresult=True)
+def rlinfer_stage_weights(staging_id: str, update: WeightUpdate) -> Awaitable[None]:
+    """Move a validated update into engine-side staging under ``staging_id``, without touching
+    the live weights and without pausing generation.
+
+    The tensors must end up held by the engine's own processes (the caller may free or change
+    its buffers once this returns): staging that only keeps references in the caller is not
+    staging. Called once or more per ``staging_id`` (buckets; the facade refuses a name staged
+    twice); raise :class:`~rlinfer_core.errors.WeightUpdateError` when the engine refuses the
+    tensors, with nothing of this call staged.
+    """
+
+
+@optional(Capability.WEIGHTS_STAGED)
+@hookspec(firstresult=True)
+def rlinfer_commit_staged_weights(staging_id: str, version: int) -> Awaitable[None]:
+    """Load everything staged under ``staging_id`` as one update, all or nothing, at a step
+    boundary (as :func:`rlinfer_update_weights` loads), then drop the staged tensors.
+    ``version``: the version the weights get; tokens computed after the load carry it."""
+
+
+@optional(Capability.WEIGHTS_STAGED)
+@hookspec(firstresult=True)
+def rlinfer_cancel_staged_weights(staging_id: str) -> Awaitable[None]:
+    """Drop what is staged under ``staging_id`` (nothing staged: nothing to do); the live
+    weights are untouched."""
+
+
 # --- memory ------------------------------------------------------------------------------------
 
 

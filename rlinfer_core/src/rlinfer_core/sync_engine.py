@@ -13,10 +13,12 @@ from rlinfer_core.errors import EngineDead
 from rlinfer_core.model_info import ModelInfo
 from rlinfer_core.oom_retry import OutOfMemoryRetry
 from rlinfer_core.session import Session
+from rlinfer_core.staging import WeightStaging
 from rlinfer_core.sync_twin import (
     Delegated,
     SyncTwin,
     blocking,
+    blocking_converted,
     converted,
     delegated,
     delegated_property,
@@ -151,6 +153,8 @@ class Engine(SyncTwin):
     # --- weights, memory and cache ---------------------------------------------------------------
 
     update_weights = blocking(AsyncEngine.update_weights)
+    stage_weights = blocking_converted(AsyncEngine.stage_weights, WeightStaging)  # a blocking handle
+    staged_weight_limit = delegated_property(AsyncEngine.staged_weight_limit)
     init_weight_broadcast = blocking(AsyncEngine.init_weight_broadcast)
     weights_checksum = blocking(AsyncEngine.weights_checksum)
     verify_weights = blocking(AsyncEngine.verify_weights)

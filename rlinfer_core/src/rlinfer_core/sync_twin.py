@@ -130,6 +130,22 @@ def converted(
     return _derived(call, method, returns)
 
 
+def blocking_converted(
+    method: Callable[Concatenate[Any, P], Coroutine[Any, Any, A]], convert: Callable[[TwinT, A], R]
+) -> Callable[Concatenate[TwinT, P], R]:
+    """The blocking twin of a coroutine method whose result is itself an async object (a weight
+    staging): run as :func:`blocking` runs it, then ``convert(twin, result)`` makes its twin."""
+    if not inspect.iscoroutinefunction(method):
+        raise TypeError(f"{method.__qualname__} is not a coroutine function; use converted()")
+    name = method.__name__
+
+    def call(twin: TwinT, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        return convert(twin, twin._run(getattr(twin._target(), name)(*args, **kwargs)))
+
+    returns = convert.__name__ if isinstance(convert, type) else inspect.signature(convert).return_annotation
+    return _derived(call, method, returns)
+
+
 def _derived(call: CallT, method: Callable[..., Any], returns: Any) -> CallT:
     """``call`` dressed as ``method``'s twin: its name, docstring and signature (with the
     twin's result type), marked with its source for :meth:`SyncTwin.__init_subclass__`."""

@@ -335,6 +335,11 @@ class EngineConfig:
     #: read every update back (engine checksums vs the trainer's, where weights.checksum is
     #: claimed); a difference raises WeightVerificationError (see docs/weights.md)
     verify_updates: bool = True
+    #: the most bytes stage_weights may hold in the engine at once (capability weights.staged,
+    #: see docs/weights.md); None: one full copy of the weights (the sum of weight_specs)
+    max_staged_weight_bytes: int | None = attrs.field(
+        default=None, validator=v.in_range(1, v.MAX_INT64, integer=True, allow_none=True)
+    )
     #: how the engine loads the weights at start. "dummy": random weights of the right shapes (a
     #: fast start when the trainer pushes its weights at once, verl's default): the engine then
     #: refuses generation (WeightsNotLoaded) until a full update_weights has loaded

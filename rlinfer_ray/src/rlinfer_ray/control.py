@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from rlinfer_core.errors import EngineDead, InvalidRequest, RLInferError, WeightUpdateError
+from rlinfer_core.errors import EngineDead, InvalidRequest, RLInferError, WeightStagingError, WeightUpdateError
 from rlinfer_core.preflight import as_weight_update, transport_name, update_target
 from rlinfer_core.types import Capability, MemoryTag, PauseMode
 from rlinfer_core.weights import (
@@ -150,13 +150,18 @@ class ControlPlane:
                 if self._replay is None:
                     replica.state = State.STALE  # waits for the next update (broadcast: re-init the group)
                     return
-                await self.replicas.call(
-                    replica,
-                    "update_weights",
-                    self._replay,
-                    version=self._version,
-                    timeout=self.config.request_timeout_s,
-                )
+                from rlinfer_ray.staging import StagedParts
+
+                if isinstance(self._replay, StagedParts):  # a staged commit of several parts
+                    await self._replay.load(self.replicas, replica, self._version, self.config.request_timeout_s)
+                else:
+                    await self.replicas.call(
+                        replica,
+                        "update_weights",
+                        self._replay,
+                        version=self._version,
+                        timeout=self.config.request_timeout_s,
+                    )
             replica.version = self._version
             if self._paused is not None:
                 await self.replicas.call(replica, "pause", self._paused, timeout=self.pool_config.control_timeout_s)
@@ -192,6 +197,12 @@ class ControlPlane:
         started = time.perf_counter()
         try:
             async with self._weight_lock:
+                staging = getattr(self, "_open_staging", None)  # rlinfer_ray.staging
+                if staging is not None:
+                    raise WeightStagingError(
+                        f"a staged update ({staging.staging_id}, version {staging.version}) is open; "
+                        "commit or cancel it before update_weights"
+                    )
                 target, nbytes = await self._update_locked(update)
         except Exception as exc:
             self._observers.emit(

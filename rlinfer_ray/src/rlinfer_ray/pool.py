@@ -34,6 +34,7 @@ from rlinfer_ray.config import PoolConfig
 from rlinfer_ray.dataplane import DataPlane
 from rlinfer_ray.replicas import ReplicaSet, State
 from rlinfer_ray.router import Router
+from rlinfer_ray.staging import PoolStaging
 
 #: what the pool does not pass on to its replicas, with the reason
 POOL_UNSUPPORTED: Mapping[Capability, str] = {
@@ -48,7 +49,7 @@ POOL_UNSUPPORTED: Mapping[Capability, str] = {
 }
 
 
-class EnginePool(PoolAgent, DataPlane):
+class EnginePool(PoolAgent, PoolStaging, DataPlane):
     """Replicas of one engine, each in a Ray actor; open it with :meth:`open`."""
 
     def __init__(self, backend: str, config: EngineConfig, pool: PoolConfig, observers: Observers) -> None:

@@ -80,6 +80,8 @@ class ReplicaActor:
     def __init__(self, index: int) -> None:
         self.index = index
         self.engine: Any = None
+        #: the engine's open staged updates, by the pool's staging id (rlinfer_ray.staging)
+        self.stagings: dict[str, Any] = {}
 
     async def start(self, backend: str, config: EngineConfig) -> Reply:
         """Open the engine; returns what the pool mirrors (capabilities, model info, specs)."""
@@ -114,6 +116,35 @@ class ReplicaActor:
                 value = await value
             return ("ok", dict(value) if isinstance(value, Mapping) else value)
         except Exception as exc:
+            return ("err", pack_error(exc))
+
+    async def staging(self, op: str, staging_id: str, *args: Any, **kwargs: Any) -> Reply:
+        """A staged update on this replica's engine, its handle kept here under the pool's
+        ``staging_id``: ``stage`` (update, version=...), ``add`` (update), ``commit``, ``cancel``
+        (nothing to do when nothing is staged under the id). Replies with the staged bytes, or
+        with the version a commit made live."""
+        try:
+            if self.engine is None:
+                raise errors.EngineDead(f"replica {self.index} has no engine")
+            value: Any = None
+            if op == "stage":
+                handle = await self.engine.stage_weights(*args, **kwargs)
+                self.stagings[staging_id] = handle
+                value = handle.staged_bytes
+            elif op == "add":
+                value = await self.stagings[staging_id].add(*args)
+            elif op == "commit":
+                value = await self.stagings.pop(staging_id).commit()
+            elif op == "cancel":
+                handle = self.stagings.pop(staging_id, None)
+                if handle is not None:
+                    await handle.cancel()
+            else:
+                raise ValueError(f"unknown staging op {op!r}")
+            return ("ok", value)
+        except Exception as exc:
+            if op in ("add", "commit") and staging_id in self.stagings and self.stagings[staging_id].state != "open":
+                self.stagings.pop(staging_id)  # the engine ended it (a failure inside the engine)
             return ("err", pack_error(exc))
 
     async def abort(self, request_ids: list[str] | None) -> Reply:

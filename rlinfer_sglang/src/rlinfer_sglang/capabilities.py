@@ -110,6 +110,12 @@ SAMPLING_NOTES = {
         "computed in the scheduler from model.named_parameters(), fused qkv/gate_up sliced back; "
         "tensor_parallel_size=1 only (shards are not gathered)"
     ),
+    Capability.WEIGHTS_STAGED.value: (
+        "not claimed (in process and server mode): SGLang's only channel that carries tensors into the "
+        "scheduler, update_weights_from_tensor, takes the tokenizer manager's model-update writer lock (it "
+        "waits for every request in flight) unless generation is paused, and opens a weight-update session "
+        "(begin_weight_update restores in-place-packed weights); staging through it would stall generation"
+    ),
 }
 
 CUDA_UNVERIFIED = "verified on CPU only; on CUDA SGLang samples with other kernels (not verified yet)"

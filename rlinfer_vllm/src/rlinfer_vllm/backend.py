@@ -41,6 +41,7 @@ from rlinfer_vllm.generation import Generation
 from rlinfer_vllm.load_gate import LoadGate
 from rlinfer_vllm.lora import LoraHooks
 from rlinfer_vllm.memory import MemoryHooks
+from rlinfer_vllm.staging import StagingHooks
 from rlinfer_vllm.tools import ToolParsing
 from rlinfer_vllm.versions import TokenVersions
 from rlinfer_vllm.weights import WeightHooks
@@ -75,7 +76,7 @@ def create(config: EngineConfig) -> Any:
     return VllmBackend(config)
 
 
-class VllmBackend(WeightHooks, MemoryHooks, BenchHooks, LoraHooks, Generation):
+class VllmBackend(WeightHooks, StagingHooks, MemoryHooks, BenchHooks, LoraHooks, Generation):
     """Implements rlinfer's operation hooks for one vLLM engine."""
 
     def __init__(self, config: EngineConfig) -> None:

@@ -42,6 +42,7 @@ COMMON: frozenset[Capability] = frozenset(
         Capability.WEIGHTS_DISK,
         Capability.WEIGHTS_BROADCAST,
         Capability.WEIGHTS_CHECKSUM,
+        Capability.WEIGHTS_STAGED,  # rlinfer_vllm.staging (in process and server mode)
         Capability.PREFIX_CACHE_RESET,
         Capability.SAMPLING_MIN_P,
         Capability.SAMPLING_PENALTIES,
@@ -88,6 +89,12 @@ PRIORITY_OFF_NOTE = (
 )
 
 SHARED_NOTES = {
+    Capability.WEIGHTS_STAGED.value: (
+        "stage_weights copies each part into the worker's own memory (the device it serves on) through "
+        "collective_rpc, which vLLM runs between engine steps: generation waits for the copy only; commit "
+        "loads the staged tensors as an update does (scheduler paused 'keep'); tensors, buckets and "
+        "checkpoint directories (a broadcast is received at update time)"
+    ),
     Capability.GENERATE_HIDDEN_STATES.value: (
         "vLLM 0.32 has no per-request hidden-state output: neither SamplingParams nor RequestOutput carries "
         "one. Its only path, the engine-wide 'extract_hidden_states' speculative method with its example "

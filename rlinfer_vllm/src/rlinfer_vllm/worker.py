@@ -41,6 +41,8 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from rlinfer_vllm.worker_staging import StagedWeightsWorker
+
 if TYPE_CHECKING:
     import torch
 
@@ -49,8 +51,9 @@ if TYPE_CHECKING:
 Pair = tuple[str, "torch.Tensor"]
 
 
-class RLInferWorkerExtension:
-    """Mixed into vLLM's Worker; every public name starts with ``rlinfer_`` (no clashes)."""
+class RLInferWorkerExtension(StagedWeightsWorker):
+    """Mixed into vLLM's Worker; every public name starts with ``rlinfer_`` (no clashes). Staged
+    updates: :class:`~rlinfer_vllm.worker_staging.StagedWeightsWorker`."""
 
     # attributes of vLLM's Worker that this mixin uses
     vllm_config: Any

@@ -21,6 +21,7 @@ from rlinfer_conformance.suite.test_out_of_memory import *  # noqa: F403
 from rlinfer_conformance.suite.test_quantized_reload import *  # noqa: F403
 from rlinfer_conformance.suite.test_routing import *  # noqa: F403
 from rlinfer_conformance.suite.test_sampling_controls import *  # noqa: F403
+from rlinfer_conformance.suite.test_staged_weights import *  # noqa: F403
 from rlinfer_conformance.suite.test_start_without_weights import *  # noqa: F403
 from rlinfer_conformance.suite.test_stateful import *  # noqa: F403
 from rlinfer_conformance.suite.test_tool_loop import *  # noqa: F403

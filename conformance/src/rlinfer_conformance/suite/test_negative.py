@@ -90,6 +90,7 @@ PROBES: dict[Capability, Callable[[KitWorld], Any]] = {
     Capability.WEIGHTS_DELTA: lambda w: w.engine.update_weights(
         WeightDelta(w.engine.weight_version, w.oracle.named_parameters(w.current)[:1])
     ),
+    Capability.WEIGHTS_STAGED: lambda w: w.engine.stage_weights(w.source(Capability.WEIGHTS_TENSORS, BASE)),
     Capability.DETERMINISTIC: _deterministic,
     Capability.GENERATE_ROUTED_EXPERTS: _gen(return_routed_experts=True),
     Capability.GENERATE_HIDDEN_STATES: _gen(return_hidden_states=True),

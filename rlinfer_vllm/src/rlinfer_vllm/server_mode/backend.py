@@ -47,6 +47,7 @@ from rlinfer_vllm.server_mode.launch import ServerProcess, free_port, server_arg
 from rlinfer_vllm.server_mode.memory import ServerMemoryHooks
 from rlinfer_vllm.server_mode.stream import StreamVersions
 from rlinfer_vllm.server_mode.weights import ServerWeightHooks
+from rlinfer_vllm.staging import ServerStagingHooks
 
 #: how long abort() keeps re-aborting requests that the server had not registered yet
 ABORT_SETTLE_S = 2.0
@@ -61,7 +62,7 @@ STREAM_026_NOTE = (
 PORT_TRIES = 3
 
 
-class VllmServerBackend(ServerWeightHooks, ServerMemoryHooks):
+class VllmServerBackend(ServerWeightHooks, ServerStagingHooks, ServerMemoryHooks):
     """rlinfer's hooks for one vLLM server, launched here or attached to."""
 
     def __init__(self, config: EngineConfig) -> None:
