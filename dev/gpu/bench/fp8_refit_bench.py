@@ -43,6 +43,12 @@ from typing import Any
 
 GB = 1e9
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from weight_sync_bench import WorkerTimings  # noqa: E402  (the backends' per-update debug line)
+
+#: per-update timings logged by the backend's worker (rlinfer_vllm: load_s, map_s, shadow_s)
+WORKER_TIMINGS = WorkerTimings()
+
 
 def sync(device: str) -> None:
     """Wait for the GPU (nothing on CPU)."""
@@ -175,6 +181,7 @@ def run_phase(args: argparse.Namespace, name: str, quantization: str | None, sha
         after_same = scores(engine, prompts, continuations)
         seconds: list[float] = []
         after_b: list[list[float]] | None = None
+        WORKER_TIMINGS.rows.clear()
         for i in range(args.repeats + (args.repeats % 2 == 1)):
             source = NamedTensors.of(b if i % 2 == 0 else a)
             seconds.append(timed(device, lambda source=source: engine.update_weights(source))[0])
@@ -182,6 +189,9 @@ def run_phase(args: argparse.Namespace, name: str, quantization: str | None, sha
                 after_b = scores(engine, prompts, continuations)
         after_a = scores(engine, prompts, continuations)
         phase["refit_s"] = stats(seconds)
+        # the worker's own split (vLLM): load_s (checks + vLLM's load/reload), shadow_s (the reload
+        # mode's host copy of the update), map_s (mapping the CUDA-IPC handles), in ms
+        phase["worker"] = WORKER_TIMINGS.summary()
         phase["refit_seconds"] = seconds
         phase["refit_gb_per_s"] = nbytes / GB / statistics.median(seconds)
         assert after_b is not None
@@ -308,6 +318,10 @@ def summary(result: dict[str, Any]) -> str:
                 f"logprobs by {served['perturbed_update_max_dlogprob']:.3g}, "
                 f"restored {served['restored_max_dlogprob']:.3g} (served: {served['update_is_served']})"
             )
+        if phase.get("worker"):
+            worker = phase["worker"]
+            parts = ", ".join(f"{k} {v:.1f}" for k, v in worker.items() if k.endswith("_ms"))
+            lines.append(f"{name}: worker medians (ms): {parts}")
         if "quantized_check" in phase:
             check = phase["quantized_check"]
             lines.append(
@@ -355,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.json_out.parent.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    backend_logger = logging.getLogger(f"rlinfer_{args.backend}")
+    backend_logger.setLevel(logging.DEBUG)  # per-update worker timings
+    backend_logger.addHandler(WORKER_TIMINGS)
     try:
         result = run(args)
     except Exception as exc:

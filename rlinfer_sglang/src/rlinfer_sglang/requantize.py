@@ -40,8 +40,9 @@ def online_fp8_layers(model: Any) -> list[Any]:
         config = getattr(module.quant_method, "quant_config", None)
         if getattr(config, "is_checkpoint_fp8_serialized", False):
             raise NotImplementedError("an FP8-serialized checkpoint: rlinfer re-quantizes online FP8 only")
-        if not isinstance(module, LinearBase) or name != "Fp8LinearMethod" or module.quant_method.block_quant:
-            raise NotImplementedError(f"{name} (block or MoE FP8) is not re-quantized by rlinfer")
+        method = module.quant_method
+        if not isinstance(module, LinearBase) or name != "Fp8LinearMethod" or method.block_quant or method.use_marlin:
+            raise NotImplementedError(f"{name} (block, Marlin or MoE FP8) is not re-quantized by rlinfer")
         out.append(module)
     return out
 
@@ -49,8 +50,11 @@ def online_fp8_layers(model: Any) -> list[Any]:
 def dequantized(layer: Any) -> Any:
     """The layer's served weight as ``[out, in]`` in its original dtype: codes ``[in, out]`` times
     the scale (one, or one per output channel as ``[1, out]``)."""
-    weight = (layer.weight.float() * layer.weight_scale.float()).t()
     rows, cols = int(layer.output_size_per_partition), int(layer.input_size_per_partition)
+    scale = layer.weight_scale.float()
+    if scale.numel() != 1 and tuple(scale.shape) != (1, rows):
+        raise NotImplementedError(f"FP8 weight scale of shape {tuple(scale.shape)}: neither one nor [1, {rows}]")
+    weight = (layer.weight.float() * scale).t()
     if tuple(weight.shape) != (rows, cols):
         raise NotImplementedError(f"FP8 weight layout {tuple(layer.weight.shape)} is not [in, out] = [{cols}, {rows}]")
     return weight.to(layer.orig_dtype).contiguous()

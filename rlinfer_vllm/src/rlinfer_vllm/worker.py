@@ -89,7 +89,12 @@ class RLInferWorkerExtension(StagedWeightsWorker):
             if self._rlinfer_shadow is None:  # only the reload mode keeps the weights
                 continue
             # a dummy start's shadow holds no policy: the first update must be full (the facade checks)
-            shadow = torch.zeros(tensor.shape, dtype=dtype) if dummy else tensor.to(device="cpu", dtype=dtype).clone()
+            # pinned on CUDA: each update's copy into the shadow runs asynchronously, one wait
+            shadow = torch.empty(tensor.shape, dtype=dtype, pin_memory=self._rlinfer_on_cuda())
+            if dummy:
+                shadow.zero_()
+            else:
+                shadow.copy_(tensor)
             self._rlinfer_shadow[name] = shadow
         self._rlinfer_shadow_dir = None
         self._rlinfer_group = None
@@ -355,7 +360,7 @@ class RLInferWorkerExtension(StagedWeightsWorker):
             if fast is not None:
                 timings["fast_plan_s"] = fast.plan_s
         else:
-            self._rlinfer_reload(tensors, self._rlinfer_shadow)
+            timings["shadow_s"] = self._rlinfer_reload(tensors, self._rlinfer_shadow)
             timings["fast_load"] = 0.0
         timings["load_s"] = time.perf_counter() - started
         return timings
@@ -380,7 +385,12 @@ class RLInferWorkerExtension(StagedWeightsWorker):
                 (f"{type(exc).__name__}: {exc}",),
             ) from exc
 
-    def _rlinfer_reload(self, tensors: Sequence[Pair], shadow: dict[str, torch.Tensor]) -> None:
+    def _rlinfer_on_cuda(self) -> bool:
+        return bool(self.vllm_config.device_config.device_type == "cuda")
+
+    def _rlinfer_reload(self, tensors: Sequence[Pair], shadow: dict[str, torch.Tensor]) -> float:
+        """Reload through vLLM (see the module docstring); the seconds spent copying the update
+        into the shadow."""
         given = dict(tensors)
         full = len(given) == len(shadow)
         if full:
@@ -394,10 +404,17 @@ class RLInferWorkerExtension(StagedWeightsWorker):
             self._rlinfer_restore(shadow)
             raise
         self._rlinfer_after_reload()
+        started = time.perf_counter()
         for name, tensor in given.items():
-            shadow[name].copy_(tensor)
+            shadow[name].copy_(tensor, non_blocking=True)
+        if self._rlinfer_on_cuda():
+            import torch
+
+            # the sender frees (or reuses) its buffers once this call returns
+            torch.cuda.current_stream().synchronize()
         if full:
             self._rlinfer_shadow_dir = None  # every entry was just overwritten
+        return time.perf_counter() - started
 
     def _rlinfer_check(self, tensors: Sequence[Pair]) -> None:
         """Names, shapes and dtypes against the checkpoint's, before anything is loaded.
