@@ -92,7 +92,6 @@ class SGLangBackend(Supervision, Generation, Memory, AgentHooks):
             config.enable_memory_release if self.platform == "cuda" else None,
             config.world_size,
             lora=bool(config.engine_kwargs.get("enable_lora", False)),
-            cuda_graph=not (config.enforce_eager or config.engine_kwargs.get("disable_cuda_graph", False)),
         )
         self._engine: Engine | None = None
         self._tm: Any = None

@@ -76,6 +76,12 @@ def test_lora_is_claimed_on_cuda_only_for_an_engine_started_with_it() -> None:
     assert not capabilities("cpu", "sglang 0.5.23", lora=True).supports(Capability.LORA), "pinned host tensors"
 
 
+def test_cuda_graph_tag_is_not_claimed_where_it_was_measured_to_free_nothing() -> None:
+    cuda = capabilities("cuda", "sglang 0.5.16", memory_release=True)
+    assert not cuda.supports(Capability.MEMORY_CUDA_GRAPH)
+    assert "freed 0 MiB" in cuda.notes[Capability.MEMORY_CUDA_GRAPH.value]
+
+
 def test_cuda_memory_release_depends_on_the_memory_saver() -> None:
     assert capabilities("cuda", "sglang 0.5.16").supports(Capability.MEMORY_RELEASE)
     off = capabilities("cuda", "sglang 0.5.16", memory_release=False)

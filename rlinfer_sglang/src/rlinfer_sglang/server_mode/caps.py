@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 import attrs
 
 from rlinfer_core.types import Capabilities, Capability
-from rlinfer_sglang.capabilities import CUDA_GRAPH_OFF_NOTE, OVERLAP_NOTE, PAUSE_KEEP_OLD_SGLANG_NOTE, PRIORITY_OFF_NOTE
+from rlinfer_sglang.capabilities import OVERLAP_NOTE, PAUSE_KEEP_OLD_SGLANG_NOTE, PRIORITY_OFF_NOTE
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -85,7 +85,4 @@ def server_capabilities(
         drop[Capability.DETERMINISTIC] = "the server was started without --enable-deterministic-inference"
     if base.platform == "cuda" and not info.get("enable_memory_saver", False):
         drop[Capability.MEMORY_RELEASE] = "the server was started without SGLang's memory saver (--enable-memory-saver)"
-        drop[Capability.MEMORY_CUDA_GRAPH] = drop[Capability.MEMORY_RELEASE]
-    if info.get("disable_cuda_graph", False):
-        drop[Capability.MEMORY_CUDA_GRAPH] = CUDA_GRAPH_OFF_NOTE
     return attrs.evolve(base, notes={**base.notes, **SERVER_NOTES}).without(drop)
