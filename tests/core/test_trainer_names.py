@@ -82,3 +82,24 @@ def test_named_tensors_mapped_and_a_broadcast_under_trainer_names_refused() -> N
     spec = TensorSpec("model.layers.0.mlp.experts.down_proj", "float32", (EXPERTS, HIDDEN, INTER))
     with pytest.raises(WeightUpdateError, match="checkpoint_names"):
         under_checkpoint_names(BroadcastSource((spec,)), names)
+
+
+def test_vision_language_checkpoints_map_the_nested_in_memory_names() -> None:
+    """Qwen2-VL under transformers >= 5: ``model.visual.*`` / ``model.language_model.*`` in memory,
+    ``visual.*`` / ``model.*`` in the checkpoint; ``lm_head`` is the same in both."""
+    checkpoint = ["visual.blocks.0.attn.qkv.weight", "model.layers.0.self_attn.q_proj.weight", "lm_head.weight"]
+    names = name_map(checkpoint)
+    tensors = [torch.zeros(1), torch.ones(1), torch.full((1,), 2.0)]
+    trainer = list(
+        zip(
+            [
+                "model.visual.blocks.0.attn.qkv.weight",
+                "model.language_model.layers.0.self_attn.q_proj.weight",
+                "lm_head.weight",
+            ],
+            tensors,
+            strict=True,
+        )
+    )
+    assert [name for name, _ in names.to_checkpoint(trainer)] == checkpoint
+    assert not name_map(["model.layers.0.self_attn.q_proj.weight", "lm_head.weight"]), "a text model maps nothing"

@@ -25,6 +25,7 @@ model inputs: those ids, and the processor's pixel values of the same images.
 from __future__ import annotations
 
 import base64
+import functools
 import io
 import json
 from collections.abc import Mapping, Sequence
@@ -247,3 +248,40 @@ def grid_thw(processor: Any, images: Sequence[Image]) -> tuple[tuple[int, int, i
     if grid is None:
         return None
     return tuple((int(t), int(h), int(w)) for t, h, w in grid.tolist())
+
+
+@functools.lru_cache(maxsize=4)
+def load_processor(model_dir: str) -> Any:
+    """The Hugging Face processor of ``model_dir`` (cached per directory)."""
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(model_dir)
+
+
+def placeholder_lengths(model_dir: str, images: Sequence[Image]) -> tuple[int, ...]:
+    """How many image tokens each image becomes in ``model_dir``'s prompt (Qwen2-VL family: the
+    processor's ``t * h * w`` patches over ``spatial_merge_size ** 2``)."""
+    grids = grid_thw(load_processor(model_dir), images)
+    if grids is None:
+        raise InvalidRequest("images", f"the processor of {model_dir} reports no image_grid_thw")
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    merge = int((config.get("vision_config") or {}).get("spatial_merge_size", 1))
+    return tuple(t * h * w // merge**2 for t, h, w in grids)
+
+
+def expand_image_runs(token_ids: Sequence[int], image_token_id: int, lengths: Sequence[int]) -> list[int]:
+    """``token_ids`` with image ``i``'s placeholder (one image token, or a run of them) made a run
+    of ``lengths[i]`` image tokens: the prompt as the engine sees it. InvalidRequest when the
+    placeholders and the images do not pair up."""
+    collapsed = collapse_image_runs(token_ids, image_token_id)
+    count = sum(1 for t in collapsed if t == image_token_id)
+    if count != len(lengths):
+        raise InvalidRequest(
+            "images",
+            f"the prompt has {count} image placeholder(s) (runs of token {image_token_id}) for {len(lengths)} image(s)",
+        )
+    out: list[int] = []
+    runs = iter(lengths)
+    for token in collapsed:
+        out.extend([token] * next(runs) if token == image_token_id else [token])
+    return out

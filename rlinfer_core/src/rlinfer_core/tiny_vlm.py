@@ -125,6 +125,8 @@ def _config(spec: TinyVLMSpec, tokenizer: object) -> object:
         mlp_ratio=spec.vision_mlp_ratio,
         num_heads=spec.vision_num_heads,
         initializer_range=spec.init_std,
+        # the released Qwen2-VL checkpoints' name for in_channels, which SGLang's Qwen2-VL reads
+        in_chans=3,
     )
     return transformers.Qwen2VLConfig(
         text_config=text,

@@ -5,7 +5,9 @@ the model in transformers >= 5 names a layer's experts differently: one fused te
 projection, ``<p>.experts.gate_up_proj`` ``[E, 2I, H]`` (each expert's gate rows, then its up
 rows) and ``<p>.experts.down_proj`` ``[E, H, I]``, where the checkpoint has
 ``<p>.experts.<e>.gate_proj.weight`` ... (Mixtral's ``w1``/``w3``/``w2``); and some layouts rename
-modules in memory (Mixtral's ``block_sparse_moe`` is ``mlp``).
+modules in memory (Mixtral's ``block_sparse_moe`` is ``mlp``). A vision-language checkpoint
+(Qwen2-VL layout: ``visual.*`` beside ``model.*``) is nested in memory: ``model.visual.*`` and
+``model.language_model.*`` (``VLM_PREFIXES``; ``lm_head`` stays).
 
 :func:`name_map` reads the checkpoint-side layout from the specs once;
 :meth:`NameMap.to_checkpoint` turns a trainer's ``(name, tensor)`` pairs into checkpoint pairs
@@ -37,6 +39,9 @@ from rlinfer_core.weights import (
 
 #: checkpoint module name -> its name in a transformers >= 5 model
 MODULE_RENAMES: Mapping[str, str] = {"block_sparse_moe": "mlp"}
+#: checkpoint prefix -> its name in a transformers >= 5 vision-language model (Qwen2-VL family),
+#: applied when the checkpoint has a top-level ``visual`` module; the first match wins
+VLM_PREFIXES: tuple[tuple[str, str], ...] = (("visual.", "model.visual."), ("model.", "model.language_model."))
 #: the checkpoint's (gate, up, down) projection names of one expert
 EXPERT_PROJECTIONS = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 #: the fused names of a transformers >= 5 experts module
@@ -116,7 +121,12 @@ class NameMap:
         return attrs.evolve(manifest, entries=tuple(entries))
 
 
-def _trainer_name(checkpoint_name: str) -> str:
+def _trainer_name(checkpoint_name: str, vlm: bool = False) -> str:
+    if vlm:
+        for prefix, nested in VLM_PREFIXES:
+            if checkpoint_name.startswith(prefix):
+                checkpoint_name = nested + checkpoint_name.removeprefix(prefix)
+                break
     parts = checkpoint_name.split(".")
     return ".".join(MODULE_RENAMES.get(p, p) for p in parts)
 
@@ -142,12 +152,13 @@ def expert_groups(names: Iterable[str]) -> list[ExpertGroup]:
 def name_map(specs: Mapping[str, TensorSpec] | Iterable[str]) -> NameMap:
     """The trainer names of a checkpoint whose tensors are ``specs`` (empty for dense layouts)."""
     names = list(specs)
+    vlm = any(n.startswith(VLM_PREFIXES[0][0]) for n in names)
     fused: dict[str, tuple[ExpertGroup, str]] = {}
     for group in expert_groups(names):
-        trainer_prefix = _trainer_name(group.prefix)
+        trainer_prefix = _trainer_name(group.prefix, vlm)
         fused[f"{trainer_prefix}.{FUSED_GATE_UP}"] = (group, "gate_up")
         fused[f"{trainer_prefix}.{FUSED_DOWN}"] = (group, "down")
-    renamed = {_trainer_name(n): n for n in names if _trainer_name(n) != n and _EXPERT.match(n) is None}
+    renamed = {_trainer_name(n, vlm): n for n in names if _trainer_name(n, vlm) != n and _EXPERT.match(n) is None}
     return NameMap(renamed, fused)
 
 

@@ -44,6 +44,7 @@ from rlinfer_sglang.capabilities import (
     capabilities,
     installed_platform,
     installed_version,
+    multimodal_off,
 )
 from rlinfer_sglang.config import resolve_platform
 from rlinfer_sglang.generation import Generation
@@ -199,6 +200,7 @@ class SGLangBackend(Supervision, Generation, Memory, AgentHooks):
             )
         if not getattr(getattr(self._tm, "server_args", None), "enable_return_hidden_states", False):
             off[Capability.GENERATE_HIDDEN_STATES] = HIDDEN_STATES_OFF_NOTE
+        off.update(multimodal_off(self.config.model))
         return self._caps.without(off)
 
     @hookimpl

@@ -300,6 +300,27 @@ PARALLEL_NOTES: dict[Platform, dict[str, str]] = {
 }
 
 
+MULTIMODAL_NOTE = (
+    "images (GenerateRequest.images, image parts of chat messages) as SGLang's image_data beside input_ids "
+    "holding one image token per image, expanded by SGLang's multimodal processor (rlinfer_sglang.images); "
+    "Qwen2-VL layout verified (the kit's tiny VLM); no video or audio; raw logprobs are not claimed with "
+    "images (scored by a text-only prefill). On CPU it needs the sgl_kernel shim's operator stubs "
+    "(dev/envs/cpu_support): SGLang 0.5.23's Qwen-VL processor imports Qwen3.5's model module, which looks "
+    "up torch.ops.sgl_kernel.fused_sigmoid_mul_cpu at import"
+)
+MULTIMODAL_CUDA_NOTE = (
+    f"not claimed: mapped as on CPU, but the kit's multimodal tests have not run on a GPU; {MULTIMODAL_NOTE}"
+)
+MULTIMODAL_TEXT_NOTE = "the served model is text-only (its config.json names no image_token_id)"
+
+
+def multimodal_off(model: str) -> dict[Capability, str]:
+    """``generate.multimodal`` to drop, with its reason, for an engine serving ``model``."""
+    from rlinfer_core.multimodal import image_token_id
+
+    return {} if image_token_id(model) is not None else {Capability.MULTIMODAL: MULTIMODAL_TEXT_NOTE}
+
+
 def installed_version() -> str | None:
     """Version of the installed ``sglang`` distribution, or None."""
     try:
@@ -334,6 +355,7 @@ def capabilities(
         supported_cpu = set(COMMON | SAMPLING | AGENT_CPU) | {
             Capability.GENERATE_ROUTED_EXPERTS,
             Capability.GENERATE_HIDDEN_STATES,
+            Capability.MULTIMODAL,
         }
         if tensor_parallel_size == 1:
             supported_cpu.add(Capability.WEIGHTS_CHECKSUM)
@@ -343,6 +365,7 @@ def capabilities(
             **AGENT_NOTES,
             **PARALLEL_NOTES["cpu"],
             Capability.LORA.value: LORA_CPU_NOTE,
+            Capability.MULTIMODAL.value: MULTIMODAL_NOTE,
             Capability.MEMORY_CUDA_GRAPH.value: CUDA_GRAPH_CPU_NOTE,
             Capability.WEIGHTS_QUANTIZED_RELOAD.value: QUANTIZED_RELOAD_CPU_NOTE,
         }
@@ -353,6 +376,7 @@ def capabilities(
         **AGENT_NOTES,
         **PARALLEL_NOTES["cuda"],
         Capability.LORA.value: LORA_CUDA_NOTE if lora is not False else LORA_OFF_NOTE,
+        Capability.MULTIMODAL.value: MULTIMODAL_CUDA_NOTE,
     }
     for capability in (*SAMPLING, *AGENT_CPU, Capability.WEIGHTS_CHECKSUM):
         notes[capability.value] = f"{CUDA_UNVERIFIED}; on CPU: {notes[capability.value]}"

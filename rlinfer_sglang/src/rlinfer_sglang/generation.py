@@ -24,7 +24,7 @@ from rlinfer_core.types import (
     GenerateRequest,
     LogprobsMode,
 )
-from rlinfer_sglang import convert
+from rlinfer_sglang import convert, images
 from rlinfer_sglang.inflight import InFlight
 from rlinfer_sglang.lora import LoraHooks
 
@@ -34,7 +34,8 @@ class Generation(InFlight, LoraHooks):
 
     def _prompt_ids(self, request: GenerateRequest) -> list[int]:
         ids = prompt_ids(getattr(self._tm, "tokenizer", None), request, self._max_len())
-        if request.prompt_token_ids is None:  # a templated chat prompt: the facade checked token ids
+        ids = images.expanded_prompt(self.config.model, request, ids)  # as SGLang will see them
+        if request.prompt_token_ids is None or request.all_images:  # the facade checked plain token ids
             assert self._info is not None
             check_kv_room(len(ids), request.sampling.max_tokens, self._info)
         return ids
@@ -98,6 +99,7 @@ class Generation(InFlight, LoraHooks):
                 prompt_states, states = convert.hidden_states(
                     r, outs[k].get("meta_info") or {}, len(ids), len(c.token_ids), self._hidden_size(r)
                 )
+                c = images.with_multimodal(self.config.model, r, c, outs[k].get("meta_info") or {})
                 c = attrs.evolve(
                     c,
                     token_versions=self._versions.of(rids[k], len(c.token_ids)),
@@ -131,8 +133,11 @@ class Generation(InFlight, LoraHooks):
                     out[k] = item
             return out
         args = [convert.logprob_args(r, self._processor()) for r, _, _ in samples]
+        inputs = [images.engine_input(self.config.model, r, ids) for r, _, ids in samples]
+        if any("image_data" in i for i in inputs):  # a list per sample ([] for none: SGLang's batch form)
+            args = [{**a, "image_data": i.get("image_data", [])} for a, i in zip(args, inputs, strict=True)]
         obj = GenerateReqInput(
-            input_ids=[ids for _, _, ids in samples],
+            input_ids=[i["input_ids"] for i in inputs],
             sampling_params=[self._params(r, ids) for r, _, ids in samples],
             rid=rids,
             # one flag for the whole batch in SGLang; routes are kept only where asked
@@ -225,7 +230,7 @@ class Generation(InFlight, LoraHooks):
         from sglang.srt.managers.io_struct import GenerateReqInput
 
         obj = GenerateReqInput(
-            input_ids=ids,
+            **images.engine_input(self.config.model, request, ids),
             sampling_params=params,
             rid=rid,
             stream=stream,

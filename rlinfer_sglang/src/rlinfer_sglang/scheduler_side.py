@@ -162,11 +162,17 @@ def output_lengths() -> dict[str, int] | None:
 
 #: fused SGLang parameters and the HF parameters they hold, in order along dim 0
 _FUSED = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))
+#: HF name parts SGLang renames without changing the tensor (Qwen2-VL's vision attention: the
+#: checkpoint's fused ``attn.qkv`` is SGLang's VisionAttention ``attn.qkv_proj``, same q/k/v rows)
+_RENAMED = ((".attn.qkv.", ".attn.qkv_proj."),)
 
 
 def _served(model: Any, params: dict[str, Any], name: str, shapes: dict[str, list[int]]) -> Any:
     """The tensor the engine serves for HF parameter ``name`` (a view), or None."""
     tensor = params.get(name)
+    for part, served in _RENAMED:
+        if tensor is None and part in name:
+            tensor = params.get(name.replace(part, served))
     if tensor is None and name == "lm_head.weight":
         head = getattr(model, "lm_head", None)  # tied: the embedding module itself
         tensor = getattr(head, "weight", None)
