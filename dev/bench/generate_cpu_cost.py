@@ -9,6 +9,8 @@ other processes) per batch, medians. ``--profile`` adds a cProfile pass per side
 by own time; profiling inflates the CPU times it prints).
 
     flock /tmp/rlinfer-engine.lock .venvs/sglang/bin/python dev/bench/generate_cpu_cost.py --backend sglang
+    # on a GPU (dev/gpu/env.sh): --device cuda --dtype bfloat16 --model /tmp/rlinfer_model \
+    #     --prompts 128 --prompt-len 128 --max-tokens 512 --engine-arg attention_backend=triton
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 
 async def measure(args: argparse.Namespace) -> None:
     from rlinfer_core.engine import AsyncEngine
-    from rlinfer_core.types import EngineConfig
+    from rlinfer_core.types import EngineConfig, parse_assignments
     from rlinfer_demo.bench_sides import make_batch
 
     model = args.model
@@ -35,7 +37,8 @@ async def measure(args: argparse.Namespace) -> None:
         from rlinfer_core.tiny_model import make_tiny_model
 
         model = str(make_tiny_model(Path(tempfile.mkdtemp()) / "model", seed=0))
-    config = EngineConfig(model=model, seed=0, dtype=args.dtype, device=args.device)
+    kwargs = parse_assignments(args.engine_arg)
+    config = EngineConfig(model=model, seed=0, dtype=args.dtype, device=args.device, engine_kwargs=kwargs)
     engine = await AsyncEngine.open(args.backend, config, load_entry_point_plugins=False)
     try:
         assert engine.model_info is not None
@@ -98,6 +101,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=20)
     parser.add_argument("--profile", action="store_true", help="also a cProfile pass per side")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE", help="engine_kwargs entry")
     asyncio.run(measure(parser.parse_args()))
 
 
