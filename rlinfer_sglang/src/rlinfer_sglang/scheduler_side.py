@@ -255,6 +255,24 @@ def _private_vectors(tensors: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[
     return [(name, t.clone() if t.dim() <= 1 else t) for name, t in tensors]
 
 
+def _forget_vision_embeddings() -> None:
+    """Empty SGLang's cache of image embeddings (vision tower outputs by image hash): it outlives
+    weight updates and flush_cache (SGLang 0.5.23), so an image seen before an update would be
+    served with the old vision tower's features (measured: the kit's tiny VLM after a round trip
+    of updates generated the previous weights' tokens for a cached image)."""
+    import importlib
+
+    # where the cache lives: mm_schedule (0.5.23), mm_utils (older releases)
+    for module_name in ("sglang.srt.managers.mm_schedule", "sglang.srt.managers.mm_utils"):
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        cache = getattr(module, "embedding_cache", None)
+        if cache is not None and hasattr(cache, "clear"):
+            cache.clear()
+
+
 def load(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
     """SGLang custom weight loader entry point; never raises (see the module docstring)."""
     outcome: dict[str, Any] = {"ok": False, "loaded": False, "error": "no control record"}
@@ -277,6 +295,7 @@ def load(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
 
             with requantizing(model):  # an online-FP8 engine quantizes the BF16 update again
                 model.load_weights(_private_vectors(planted(tensors)))
+            _forget_vision_embeddings()
             if _device(model).type == "cuda":
                 import torch
 
