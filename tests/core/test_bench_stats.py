@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from rlinfer_demo.bench_sides import paired, rotated, time_generate, with_control
-from rlinfer_demo.bench_stats import describe, paired_report, ratios, summary, versus_control
+from rlinfer_demo.bench_stats import describe, oriented_control, paired_report, ratios, summary, versus_control
 
 
 def _noisy(center: float, n: int, seed: int, spread: float = 0.05) -> list[float]:
@@ -65,7 +65,7 @@ def test_paired_report_attaches_the_control_to_every_ratio_whose_sides_ran() -> 
     assert report["control"]["name"] == "raw/raw_control"
     assert report["control"]["median"] == pytest.approx(1.0)
     assert report["ratios"]["rlinfer/raw"]["median"] == pytest.approx(0.92)
-    assert "vs_control" in report["ratios"]["rlinfer/raw"]
+    assert report["ratios"]["rlinfer/raw"]["vs_control"]["control_order"] == "same"
     text = describe("rlinfer/raw", report["ratios"]["rlinfer/raw"], report["control"])
     assert "A/A control raw/raw_control" in text and "noise" in text
     without = paired_report({"rlinfer": [1.0], "raw": [1.0]}, [("rlinfer/raw", "rlinfer", "raw")], ("c", "raw", "x"))
@@ -105,3 +105,24 @@ def test_the_control_is_alternated_like_the_ratio_it_is_the_noise_floor_of() -> 
     assert gaps("rlinfer", "raw") == gaps("raw", "raw_control") == [1] * 8
     leads = [rotated(list(sides), run)[0] for run in range(8)]
     assert leads.count("rlinfer") == leads.count("raw") == leads.count("raw_control") == 2
+
+
+def test_the_control_is_oriented_like_each_ratio_in_the_rotation() -> None:
+    control = [0.9, 1.0, 1.25]
+    server = ["rlinfer", "raw", "raw_control", "inprocess"]
+    pair = ("raw", "raw_control")
+    assert oriented_control(control, server, ("rlinfer", "raw"), pair) == (control, "same")
+    # inprocess runs right before rlinfer (cyclically): rlinfer/inprocess is raw_control/raw
+    assert oriented_control(control, server, ("rlinfer", "inprocess"), pair) == ([1 / 0.9, 1.0, 0.8], "inverted")
+    pools = ["rlinfer", "raw", "raw_control", "pool", "pool_one"]
+    assert oriented_control(control, pools, ("pool", "pool_one"), pair)[1] == "same"
+    assert oriented_control(control, pools, ("pool", "rlinfer"), pair) == (control, "unmatched")
+    # an order effect alone (the first of two back-to-back sides 10 % slower): raw/raw_control
+    # shows 0.9 in every run, rlinfer/inprocess (inprocess first) 1/0.9; the same effect, no overhead
+    effect = {"rlinfer": [1.0] * 6, "raw": [0.9] * 6, "raw_control": [1.0] * 6, "inprocess": [0.9] * 6}
+    report = paired_report(effect, [("rlinfer/inprocess", "rlinfer", "inprocess")], ("c", "raw", "raw_control"))
+    vs = report["ratios"]["rlinfer/inprocess"]["vs_control"]
+    assert vs["control_order"] == "inverted"
+    assert vs["median_difference"] == pytest.approx(0.0) and vs["distinguishable"] is False
+    # compared with the control as is, the same effect would look like an 11 % + 10 % difference
+    assert versus_control(ratios(effect["rlinfer"], effect["inprocess"]), [0.9] * 6)["distinguishable"] is True

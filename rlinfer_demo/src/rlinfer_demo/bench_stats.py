@@ -6,8 +6,10 @@ another name (``raw_control``), placed in the rotation right after ``raw`` just 
 right after ``rlinfer``, so raw/raw_control is a ratio of two identical sides alternated the same
 way. A ratio is *distinguishable* from the control when the 95 % interval of
 ``median(ratio) - median(control)``, bootstrapped over whole runs (both ratios of a run stay
-together: they share the run's raw sample), excludes 0. Stdlib only; seeded, so the same samples
-always give the same figures.
+together: they share the run's raw sample), excludes 0. A ratio whose sides stand the other way
+round in the rotation (rlinfer/inprocess: inprocess comes last, right before rlinfer) is compared
+with the inverted control, so first-vs-second effects cancel too. Stdlib only; seeded, so the
+same samples always give the same figures.
 """
 
 from __future__ import annotations
@@ -76,19 +78,43 @@ def versus_control(ratio: Sequence[float], control: Sequence[float], seed: int =
     }
 
 
+def oriented_control(
+    control: list[float], order: Sequence[str], pair: tuple[str, str], control_pair: tuple[str, str]
+) -> tuple[list[float], str]:
+    """The control samples alternated like ``pair`` (numerator, denominator) in the rotation
+    ``order``, and how: ``"same"`` when the denominator follows the numerator by as many places
+    as in ``control_pair``; ``"inverted"`` (1 / control) when the numerator follows the
+    denominator by that many (e.g. rlinfer/inprocess with inprocess last); else ``"unmatched"``
+    (the control as is: sides further apart meet other neighbours, the floor is approximate)."""
+
+    def gap(first: str, second: str) -> int:
+        return (order.index(second) - order.index(first)) % len(order)
+
+    if gap(*pair) == gap(*control_pair):
+        return control, "same"
+    if gap(*pair) == len(order) - gap(*control_pair):
+        return [1.0 / c for c in control], "inverted"
+    return control, "unmatched"
+
+
 def paired_report(
     samples: Mapping[str, Sequence[float]], wanted: Sequence[tuple[str, str, str]], control: tuple[str, str, str]
 ) -> dict[str, Any]:
     """The paired ratios ``wanted`` ((name, numerator side, denominator side), those whose sides
-    both ran) and the A/A ``control`` ratio, all per run from ``samples`` (side -> per-run values).
-    Every ratio's summary gets ``vs_control`` when the control's sides ran."""
+    both ran) and the A/A ``control`` ratio, all per run from ``samples`` (side -> per-run values,
+    in the rotation's order, as ``time_generate`` / ``time_updates`` return them). Every ratio's
+    summary gets ``vs_control`` when the control's sides ran, against the control oriented like
+    the ratio (:func:`oriented_control`; its ``control_order`` says how)."""
     _, c_num, c_den = control
     aa = ratios(samples[c_num], samples[c_den]) if c_num in samples and c_den in samples else None
     report: dict[str, Any] = {"control": None if aa is None else {"name": control[0], **summary(aa)}, "ratios": {}}
     for name, num, den in wanted:
         if num in samples and den in samples:
             r = ratios(samples[num], samples[den])
-            report["ratios"][name] = summary(r) | ({"vs_control": versus_control(r, aa)} if aa else {})
+            report["ratios"][name] = summary(r)
+            if aa:
+                floor, how = oriented_control(aa, list(samples), (num, den), (c_num, c_den))
+                report["ratios"][name]["vs_control"] = versus_control(r, floor) | {"control_order": how}
     return report
 
 
@@ -106,7 +132,9 @@ def describe(name: str, ratio: Mapping[str, Any], control: Mapping[str, Any] | N
         return line
     vs = ratio["vs_control"]
     verdict = "distinguishable from" if vs["distinguishable"] else "NOT distinguishable from"
+    how = {"same": "", "inverted": ", taken inverted for this ratio's order", "unmatched": ", order not matched"}
     return (
         f"{line}\n    A/A control {control['name']}: {figures(control)}\n    difference of medians "
-        f"{vs['median_difference']:+.3f} (95% CI {vs['ci95'][0]:+.3f} to {vs['ci95'][1]:+.3f}): {verdict} noise"
+        f"{vs['median_difference']:+.3f} (95% CI {vs['ci95'][0]:+.3f} to {vs['ci95'][1]:+.3f}"
+        f"{how.get(vs.get('control_order', 'same'), '')}): {verdict} noise"
     )
