@@ -25,7 +25,7 @@ from rlinfer_core.server_child import HOST, launch
 from rlinfer_core.server_http import ServerClient
 from rlinfer_core.types import Capabilities, Capability, EngineConfig
 from rlinfer_sglang.agent import AgentHooks
-from rlinfer_sglang.capabilities import capabilities, installed_platform, installed_version
+from rlinfer_sglang.capabilities import capabilities, installed_platform, installed_version, multimodal_off
 from rlinfer_sglang.config import WEIGHT_LOADER, resolve_platform, server_args
 from rlinfer_sglang.oom import kv_capacity_tokens
 from rlinfer_sglang.server_mode import convert as wire
@@ -171,6 +171,7 @@ class SGLangServerBackend(ServerMemory, Generation, AgentHooks):
         from rlinfer_sglang.backend import _amx_repacks
 
         self._caps = server_capabilities(self._caps, info, url, chat, _amx_repacks(), begin_end=self._begin_end)
+        self._caps = self._caps.without(multimodal_off(self.config.model))
 
     def _load_tokenizer(self) -> Any:
         """The model's tokenizer, loaded as SGLang loads it (None when it cannot be loaded here)."""

@@ -46,6 +46,8 @@ def sample_body(
 
 #: fields a batched body carries once for all its samples (callers batch one priority at a time)
 BATCH_SCALARS = ("stream", "priority")
+#: per-sample fields only some samples carry, and what a batched body gives the others
+BATCH_OPTIONAL: dict[str, Any] = {"image_data": []}
 
 
 def batch_body(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -54,8 +56,10 @@ def batch_body(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
     if len(samples) == 1:
         return dict(samples[0])
     keys = [k for k in samples[0] if k not in BATCH_SCALARS]
+    keys += [k for k in BATCH_OPTIONAL if k not in keys and any(k in s for s in samples)]
     scalars = {k: samples[0][k] for k in BATCH_SCALARS if k in samples[0]}
-    return {**{k: [s[k] for s in samples] for k in keys}, **scalars, "stream": False}
+    fields = {k: [s[k] if k in s else BATCH_OPTIONAL[k] for s in samples] for k in keys}
+    return {**fields, **scalars, "stream": False}
 
 
 def score_body(prompt: Sequence[int], tokens: Sequence[int], start: int, top: int, rid: str) -> dict[str, Any]:

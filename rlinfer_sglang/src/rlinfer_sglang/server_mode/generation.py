@@ -23,7 +23,7 @@ from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.merge import merge
 from rlinfer_core.preflight import check_kv_room
 from rlinfer_core.types import Completion, CompletionDelta, FinishReason, GenerateRequest, LogprobsMode
-from rlinfer_sglang import convert
+from rlinfer_sglang import convert, images
 from rlinfer_sglang.agent import openai_tools
 from rlinfer_sglang.oom import out_of_memory
 from rlinfer_sglang.server_mode import convert as wire
@@ -34,15 +34,15 @@ class Generation(InFlight):
     """``rlinfer_generate``, ``rlinfer_generate_stream`` and the raw-generate bench hook."""
 
     def _prompt_ids(self, request: GenerateRequest) -> list[int]:
-        if request.prompt_token_ids is not None:
-            return list(request.prompt_token_ids)
+        if request.prompt_token_ids is not None:  # as SGLang will see them (image placeholders expanded)
+            return images.expanded_prompt(self.config.model, request, list(request.prompt_token_ids))
         assert request.messages is not None
         tokenizer = self._tokenizer
         if tokenizer is None:
             raise InvalidRequest("messages", "no tokenizer could be loaded for the model; send prompt_token_ids")
         try:
             text = tokenizer.apply_chat_template(
-                [{"role": m.role, "content": m.content} for m in request.messages],
+                [m.template_dict() for m in request.messages],
                 tools=openai_tools(request.tools),
                 tokenize=False,
                 add_generation_prompt=True,
@@ -52,6 +52,7 @@ class Generation(InFlight):
         ids = list(tokenizer.encode(str(text), add_special_tokens=False))
         if not ids:
             raise InvalidRequest("messages", "the chat template produced an empty prompt")
+        ids = images.expanded_prompt(self.config.model, request, ids)
         if len(ids) >= self._max_len():
             raise InvalidRequest(
                 "messages", f"the templated prompt has {len(ids)} tokens, max_model_len is {self._max_len()}"
@@ -80,7 +81,8 @@ class Generation(InFlight):
 
     def _body(self, request: GenerateRequest, ids: list[int], rid: str, stream: bool) -> dict[str, Any]:
         body = wire.sample_body(request, ids, self._params(request, ids), rid, self._processor(), stream)
-        return {**body, **convert.priority_arg(request, self._priority_sign)}
+        inputs = images.engine_input(self.config.model, request, ids)  # input_ids (+ image_data)
+        return {**body, **inputs, **convert.priority_arg(request, self._priority_sign)}
 
     @hookimpl
     async def rlinfer_generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:
@@ -136,6 +138,7 @@ class Generation(InFlight):
                     r, outs[k].get("meta_info") or {}, len(ids), len(c.token_ids), self._hidden_size(r)
                 )
                 c = attrs.evolve(c, token_versions=versions, hidden_states=states, prompt_hidden_states=prompt_states)
+                c = images.with_multimodal(self.config.model, r, c, outs[k].get("meta_info") or {})
             else:
                 c = convert.aborted_before_output(r, i, ids, latency)
             completions.append(c)
