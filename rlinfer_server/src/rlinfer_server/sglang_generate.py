@@ -85,6 +85,21 @@ def _prompts(body: SglGenerateBody, tokens: Tokens) -> tuple[list[list[int]], bo
     return [tokens.encode(body.text)], False
 
 
+def _image_data(body: SglGenerateBody, index: int, count: int, batched: bool) -> list[str]:
+    """The ``index``-th prompt's images (data: URLs) of SGLang's ``image_data`` forms."""
+    data = body.image_data
+    if data is None:
+        return []
+    if not batched:
+        return [data] if isinstance(data, str) else [d for d in data if isinstance(d, str)]
+    if not isinstance(data, list) or len(data) != count:
+        raise InvalidRequest("image_data", f"a batch of {count} prompts needs a list of {count} image lists")
+    item = data[index]
+    if item is None:
+        return []
+    return [item] if isinstance(item, str) else list(item)
+
+
 def rlinfer_priority(priority: int | None) -> int:
     """rlinfer's priority (lower first) of an SGLang one (higher first, SGLang's default order)."""
     if priority is None:
@@ -174,6 +189,7 @@ def generate_plan(body: SglGenerateBody, tokens: Tokens) -> GeneratePlan:
                 request_id=rid or uuid.uuid4().hex,
                 lora=body.lora_path,
                 priority=rlinfer_priority(body.priority),
+                images=_image_data(body, i, count, batched),
             )
         )
         plans.append(

@@ -73,9 +73,12 @@ class SglGenerateBody(Body):
     routed_experts_start_len: int = 0
     #: ``meta_info.hidden_states`` (capability generate.hidden_states), as SGLang lays them out
     return_hidden_states: bool = False
+    #: images as ``data:`` URLs (capability generate.multimodal): one prompt takes one URL or a
+    #: list; a batch takes a list per prompt (None or [] for a prompt without images). The
+    #: prompt holds the model's image token once per image (or the expanded run)
+    image_data: str | list[str] | list[list[str] | None] | None = None
     # accepted at their neutral values only
     token_ids_logprob: None = None
-    image_data: None = None
     video_data: None = None
     audio_data: None = None
     input_embeds: None = None
