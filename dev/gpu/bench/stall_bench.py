@@ -33,6 +33,7 @@ import argparse
 import asyncio
 import bisect
 import datetime
+import gc
 import itertools
 import json
 import platform
@@ -62,6 +63,10 @@ class Load:
         self.times: list[array[float]] = []
         self.counts: list[array[int]] = []
         self.errors: list[str] = []
+        #: (start, seconds) of this process's garbage collections: a long one stalls every stream here
+        self.gc_pauses: list[tuple[float, float]] = []
+        self._gc_started = 0.0
+        gc.callbacks.append(self._on_gc)
         self._stop = False
         self._tasks = [asyncio.create_task(self._slot(i)) for i in range(args.concurrency)]
 
@@ -86,11 +91,24 @@ class Load:
                 self.errors.append(f"{type(exc).__name__}: {exc}")
                 await asyncio.sleep(0.1)
 
+    def _on_gc(self, phase: str, _info: dict[str, int]) -> None:
+        now = time.perf_counter()
+        if phase == "start":
+            self._gc_started = now
+        else:
+            self.gc_pauses.append((self._gc_started, now - self._gc_started))
+
+    def gc_ms(self, t0: float, t1: float) -> dict[str, float]:
+        """Garbage-collection time (ms) in [t0, t1): total and the longest pause."""
+        inside = [max(0.0, min(s + d, t1) - max(s, t0)) for s, d in self.gc_pauses if s < t1 and s + d > t0]
+        return {"total": sum(inside) * 1e3, "longest": max(inside, default=0.0) * 1e3}
+
     async def stop(self) -> None:
         """Stop re-submitting, abort what is in flight, wait for the streams to end."""
         from rlinfer_core.types import Capability
 
         self._stop = True
+        gc.callbacks.remove(self._on_gc)
         if self.engine.capabilities.supports(Capability.ABORT):
             await self.engine.abort()
         _, pending = await asyncio.wait(self._tasks, timeout=60)
@@ -103,21 +121,28 @@ def _gaps(times: array[float], lo: int, hi: int) -> list[float]:
 
 
 def phase_stats(load: Load, t0: float, t1: float) -> dict[str, Any]:
-    """Tokens/s in [t0, t1) and the gaps that end in it (ms: p50, p99, max)."""
+    """Tokens/s in [t0, t1), the gaps that end in it (ms: p50, p99, max; where the longest ended,
+    in seconds from t0) and the bench process's garbage-collection time in it."""
     import numpy as np
 
     gaps: list[float] = []
-    tokens = 0
+    tokens, longest, longest_end = 0, 0.0, t0
     for times, counts in zip(load.times, load.counts, strict=True):
         lo, hi = bisect.bisect_left(times, t0), bisect.bisect_left(times, t1)
         tokens += sum(counts[lo:hi])
-        gaps += _gaps(times, lo, hi)
+        mine = _gaps(times, lo, hi)
+        if mine and max(mine) > longest:
+            longest = max(mine)
+            longest_end = times[max(lo, 1) + mine.index(longest)]
+        gaps += mine
     ms = np.array(gaps) * 1e3 if gaps else np.zeros(1)
     return {
         "seconds": t1 - t0,
         "tok_s": tokens / (t1 - t0),
         "gaps": len(gaps),
         "gap_ms": {"p50": float(np.percentile(ms, 50)), "p99": float(np.percentile(ms, 99)), "max": float(ms.max())},
+        "longest_gap_end_s": longest_end - t0,
+        "gc_ms": load.gc_ms(t0, t1),
     }
 
 
@@ -130,15 +155,15 @@ def window_tokens(load: Load, u0: float, u1: float) -> int:
 
 
 def stall(load: Load, u0: float, u1: float) -> dict[str, float]:
-    """The longest gap (ms) that overlaps [u0, u1] (it began before u1 and ended after u0), and how
-    many requests had such a gap (in flight across the window)."""
+    """The longest gap (ms) that overlaps [u0, u1] (it began before u1 and ended after u0), how
+    many requests had such a gap (in flight across the window), and the GC time (ms) in it."""
     worst, affected = 0.0, 0
     for times in load.times:
         lo, hi = bisect.bisect_right(times, u0), min(bisect.bisect_left(times, u1), len(times) - 1)
         gaps = _gaps(times, lo, hi + 1)
         if gaps:
             worst, affected = max(worst, max(gaps)), affected + 1
-    return {"stall_ms": worst * 1e3, "requests": affected}
+    return {"stall_ms": worst * 1e3, "requests": affected, "gc_ms": load.gc_ms(u0, u1)["total"]}
 
 
 async def apply_update(engine: Any, mode: str, weights: Any) -> dict[str, float]:
