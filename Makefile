@@ -91,8 +91,8 @@ test-sglang-server-ci: env-sglang
 # bucket updates reach both ranks, in process and in server mode (~1.5 min; issue 12)
 test-sglang-tp2: env-sglang
 	RLINFER_SGLANG_TP2_TESTS=1 timeout 600 $(VENVS)/sglang/bin/python -m pytest tests/backends/sglang/test_sglang_tp2_cpu.py -q -p no:cacheprovider
-	# the kit at tensor_parallel_size=2 (each rank on its own core), fault matrix, extra architectures, the routing test's MoE engines and the hidden-states test's engine aside (~1.5 min; SGLang 0.5.23 on CPU at TP=2 cannot run the tiny Mixtral: a KV-buffer shape mismatch with its one KV head)
-	timeout 900 $(VENVS)/sglang/bin/python -m pytest tests/backends/test_sglang_conformance.py -q -p no:cacheprovider --rlinfer-backend sglang --rlinfer-config tensor_parallel_size=2 -k "not killed_in_turn and not architecture and not routed_experts_match and not hidden_states_match" --rlinfer-report out/conformance-sglang-tp2.json
+	# the kit at tensor_parallel_size=2 (each rank on its own core), fault matrix, extra architectures, the routing test's MoE engines, the hidden-states test's engine and the image tests' tiny-VLM engine (run by test-sglang) aside (~1.5 min; SGLang 0.5.23 on CPU at TP=2 cannot run the tiny Mixtral: a KV-buffer shape mismatch with its one KV head)
+	timeout 900 $(VENVS)/sglang/bin/python -m pytest tests/backends/test_sglang_conformance.py -q -p no:cacheprovider --rlinfer-backend sglang --rlinfer-config tensor_parallel_size=2 -k "not killed_in_turn and not architecture and not routed_experts_match and not hidden_states_match and not image" --rlinfer-report out/conformance-sglang-tp2.json
 
 # the kit against vLLM at tensor_parallel_size=2 on CPU (each rank on its own core), fault matrix,
 # extra architectures and LoRA aside (~1 min)
