@@ -95,15 +95,15 @@ test-sglang-tp2: env-sglang
 	timeout 900 $(VENVS)/sglang/bin/python -m pytest tests/backends/test_sglang_conformance.py -q -p no:cacheprovider --rlinfer-backend sglang --rlinfer-config tensor_parallel_size=2 -k "not killed_in_turn and not architecture and not routed_experts_match and not hidden_states_match and not image" --rlinfer-report out/conformance-sglang-tp2.json
 
 # the kit against vLLM at tensor_parallel_size=2 on CPU (each rank on its own core), fault matrix,
-# extra architectures and LoRA aside (~1 min)
+# extra architectures, LoRA and the image tests' tiny-VLM engine (run by test-vllm) aside (~1 min)
 test-vllm-tp2: env-vllm
-	timeout 900 $(VENVS)/vllm/bin/python -m pytest tests/backends/test_vllm_conformance.py -q -p no:cacheprovider --rlinfer-backend vllm --rlinfer-config tensor_parallel_size=2 -k "not killed_in_turn and not architecture and not routed_experts_match and not lora" --rlinfer-report out/conformance-vllm-tp2.json
+	timeout 900 $(VENVS)/vllm/bin/python -m pytest tests/backends/test_vllm_conformance.py -q -p no:cacheprovider --rlinfer-backend vllm --rlinfer-config tensor_parallel_size=2 -k "not killed_in_turn and not architecture and not routed_experts_match and not lora and not image" --rlinfer-report out/conformance-vllm-tp2.json
 
 # rlinfer-ray: pool tests (two vLLM replicas on a local Ray cluster), then the kit against a pool
 # of two replicas for each backend (rlinfer conformance --backend X --replicas 2). The kit's
 # extra-architecture, dummy-start and priority tests open single engines of their own (not the pool) and ran in
 # test-vllm/test-sglang already: deselected here to keep CI time down (~7 min on 2 cores).
-POOL_KIT_SKIP := -k "not test_architecture_ and not test_routed_experts_match and not test_hidden_states_match and not test_dummy_start and not test_priority_orders_the_queue"
+POOL_KIT_SKIP := -k "not test_architecture_ and not test_routed_experts_match and not test_hidden_states_match and not test_dummy_start and not test_priority_orders_the_queue and not image"
 # Ray's local cluster is stopped whatever the outcome, so no Ray process outlives the target.
 RAY_STOP := trap '$(VENVS)/vllm/bin/ray stop --force >/dev/null 2>&1 || true' EXIT;
 # CI: the pool tests and the kit against a vLLM pool; the SGLang pool kit runs in `make thorough`.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -90,3 +91,26 @@ def test_placeholder_runs_collapse_to_one_token_each() -> None:
 
 def test_image_repr_hides_the_bytes() -> None:
     assert "bytes>" in repr(Image(base64.b64decode(to_image(_array()).data_url().split(",")[1])))
+
+
+def test_score_requests_carry_their_images_to_generate() -> None:
+    from rlinfer_core.scoring import ScoreRequest, to_generate
+
+    image = to_image(_array())
+    request = to_generate(ScoreRequest([1, 9, 2], [3], images=[_array()]))
+    assert request.images == (image,) and Capability.MULTIMODAL in request_capabilities(request)
+    assert to_generate(ScoreRequest([1, 2], [3])).images == ()
+
+
+def test_checkpoint_names_follow_the_stored_layout(tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    from rlinfer_core.multimodal import checkpoint_names
+
+    save_file({"visual.a.weight": torch.zeros(1), "model.layers.0.w": torch.zeros(1)}, str(tmp_path / "m.safetensors"))
+    runtime = ["model.visual.a.weight", "model.language_model.layers.0.w", "lm_head.weight"]
+    assert checkpoint_names(tmp_path, runtime) == {
+        "model.visual.a.weight": "visual.a.weight",
+        "model.language_model.layers.0.w": "model.layers.0.w",
+    }

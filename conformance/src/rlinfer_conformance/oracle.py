@@ -17,6 +17,7 @@ import attrs
 if TYPE_CHECKING:
     import torch
 
+    from rlinfer_core.multimodal import Image
     from rlinfer_core.types import Completion, GenerateRequest
 
 #: logits closer than this count as a tie for the argmax check (at the CPU logprob tolerance)
@@ -64,14 +65,27 @@ class Oracle:
         self._models: dict[str, Any] = {}
         self._dirs: dict[str, Path] = {}
         self._tokenizer: Any = None
+        self._processor: Any = None  #: a vision-language model's HF processor (images)
+        self._names: dict[str, dict[str, str]] = {}  #: runtime -> checkpoint names where they differ
 
     def add(self, key: str, model_dir: str | Path) -> None:
-        """Load the model in ``model_dir`` under ``key``."""
+        """Load the model in ``model_dir`` under ``key`` (a vision-language model with its HF
+        processor, which turns images into the pixel inputs the engines' processors make too)."""
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        vision = getattr(AutoConfig.from_pretrained(str(model_dir)), "vision_config", None) is not None
+        loader = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+        model = loader.from_pretrained(str(model_dir), dtype=torch.float32)
         model.eval()
+        if vision and self._processor is None:
+            from transformers import AutoProcessor
+
+            self._processor = AutoProcessor.from_pretrained(str(model_dir))
+        if vision:
+            from rlinfer_core.multimodal import checkpoint_names
+
+            self._names[key] = checkpoint_names(model_dir, [n for n, _ in model.named_parameters()])
         self._models[key] = model
         self._dirs[key] = Path(model_dir)
         if self._tokenizer is None:
@@ -98,14 +112,36 @@ class Oracle:
 
         # "auto": the engine serves the checkpoint's dtypes, i.e. the oracle's own float32
         dtype = torch.float32 if self.weight_dtype == "auto" else getattr(torch, self.weight_dtype)
-        return [(n, p.detach().to(dtype=dtype, copy=True)) for n, p in self._models[key].named_parameters()]
+        names = self._names.get(key, {})
+        return [
+            (names.get(n, n), p.detach().to(dtype=dtype, copy=True)) for n, p in self._models[key].named_parameters()
+        ]
 
-    def logits(self, key: str, token_ids: Sequence[int]) -> torch.Tensor:
-        """Logits (float32, [len, vocab]) of model ``key`` over ``token_ids``."""
+    @property
+    def processor(self) -> Any:
+        """The HF processor of a vision-language model (None for text models)."""
+        return self._processor
+
+    def image_inputs(self, token_ids: Sequence[int], images: Sequence[Image]) -> dict[str, Any]:
+        """The model's keyword inputs for ``images`` beside ``token_ids`` (placeholders already
+        expanded): the processor's pixel values and grid, and M-RoPE's image-token mask."""
+        import torch
+
+        if not images:
+            return {}
+        pixels = self._processor.image_processor(images=[image.to_pil() for image in images], return_tensors="pt")
+        image_token = self._processor.tokenizer.convert_tokens_to_ids(self._processor.image_token)
+        ids = torch.tensor([list(token_ids)], dtype=torch.long)
+        return {**pixels, "mm_token_type_ids": (ids == image_token).long()}
+
+    def logits(self, key: str, token_ids: Sequence[int], images: Sequence[Image] = ()) -> torch.Tensor:
+        """Logits (float32, [len, vocab]) of model ``key`` over ``token_ids`` (with ``images`` for
+        a vision-language model: ``token_ids`` hold their expanded placeholders)."""
         import torch
 
         with torch.inference_mode():
-            out = self._models[key](torch.tensor([list(token_ids)], dtype=torch.long))
+            inputs = self.image_inputs(token_ids, images)
+            out = self._models[key](torch.tensor([list(token_ids)], dtype=torch.long), **inputs)
         logits: torch.Tensor = out.logits[0].float()
         return logits
 
@@ -142,8 +178,8 @@ class Oracle:
         if not tokens:
             return EMPTY
         prompt = list(completion.prompt_token_ids)
-        logits = self.logits(key, prompt + tokens)[len(prompt) - 1 : len(prompt) - 1 + len(tokens)]
-        return self._compare(request, completion, prompt, logits)
+        logits = self.logits(key, prompt + tokens, request.all_images)
+        return self._compare(request, completion, prompt, logits[len(prompt) - 1 : len(prompt) - 1 + len(tokens)])
 
     def check_versions(self, keys: Mapping[int, str], request: GenerateRequest, completion: Completion) -> Parity:
         """Check a greedy completion whose tokens came from two weight versions (an update while

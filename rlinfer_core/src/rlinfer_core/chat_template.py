@@ -18,6 +18,7 @@ import attrs
 from rlinfer_core.errors import InvalidRequest, RLInferError
 
 if TYPE_CHECKING:
+    from rlinfer_core.multimodal import Image
     from rlinfer_core.types import GenerateRequest
 
 Message = Mapping[str, Any]
@@ -53,6 +54,14 @@ def load_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+
+
+@functools.lru_cache(maxsize=4)
+def load_processor(path: str) -> Any:
+    """The Hugging Face processor in ``path`` (a vision-language model's; cached per path)."""
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(path)
 
 
 def prompt_ids(tokenizer: Any, request: GenerateRequest, max_model_len: int) -> list[int]:
@@ -115,6 +124,16 @@ class ChatTemplate:
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` on its own (special-token markers in it become their ids)."""
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def encode_with_images(self, text: str, images: Sequence[Image]) -> list[int]:
+        """Token ids of ``text`` with its image placeholders expanded by the model's HF processor
+        (one run per image, as the engine will serve them)."""
+        processor = load_processor(self.tokenizer.name_or_path)
+        try:
+            out = processor(text=[text], images=[image.to_pil() for image in images], add_special_tokens=False)
+        except Exception as exc:
+            raise InvalidRequest("content", f"the model's processor failed on the images: {exc}") from exc
+        return list(out["input_ids"][0])
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of ``token_ids`` with special tokens kept (what the template would render)."""

@@ -169,7 +169,7 @@ def to_content(value: Any, where: str) -> str | tuple[ContentPart, ...]:
         return value
     if isinstance(value, Sequence) and not isinstance(value, bytes):
         return tuple(to_part(part, f"{where} part {i}") for i, part in enumerate(value))
-    raise InvalidRequest("messages", f"{where}: content must be a string or a list of parts, got {value!r}")
+    raise InvalidRequest("content", f"{where}: must be a string or a list of content parts, got {value!r}")
 
 
 def template_content(content: str | tuple[ContentPart, ...]) -> str | list[dict[str, Any]]:
@@ -284,4 +284,26 @@ def expand_image_runs(token_ids: Sequence[int], image_token_id: int, lengths: Se
     runs = iter(lengths)
     for token in collapsed:
         out.extend([token] * next(runs) if token == image_token_id else [token])
+    return out
+
+
+#: transformers 5 nests a vision-language model's parts under ``model.`` at run time; checkpoints
+#: (and the engines' weight names, which rlinfer's updates use) keep the published layout
+_RUNTIME_PREFIXES = (("model.visual.", "visual."), ("model.language_model.", "model."))
+
+
+def checkpoint_names(model_dir: str | Path, runtime: Sequence[str]) -> dict[str, str]:
+    """Runtime parameter name (``model.named_parameters()`` of a transformers 5 vision-language
+    model) -> the name the checkpoint in ``model_dir`` stores it under, for the names that differ:
+    what a trainer renames before ``update_weights``."""
+    from rlinfer_core.transfer.disk import read_specs
+
+    stored = set(read_specs(str(model_dir)))
+    out: dict[str, str] = {}
+    for name in runtime:
+        if name in stored:
+            continue
+        for prefix, saved in _RUNTIME_PREFIXES:
+            if name.startswith(prefix) and saved + name[len(prefix) :] in stored:
+                out[name] = saved + name[len(prefix) :]
     return out

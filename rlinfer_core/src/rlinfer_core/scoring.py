@@ -24,6 +24,7 @@ import attrs
 
 from rlinfer_core import _validate as v
 from rlinfer_core.errors import InvalidRequest, RLInferError
+from rlinfer_core.multimodal import Image, to_images
 from rlinfer_core.types import Capability, GenerateRequest, SamplingParams, new_request_id
 
 if TYPE_CHECKING:
@@ -39,6 +40,9 @@ class ScoreRequest:
     request_id: str = attrs.field(factory=new_request_id)
     #: adapter to score under (capability ``lora``); None: the base weights
     lora: str | None = None
+    #: the prompt's images (capability generate.multimodal), as in GenerateRequest.images: the
+    #: prompt holds one placeholder or the expanded run per image; Score.prompt_token_ids are expanded
+    images: tuple[Image, ...] = attrs.field(default=(), converter=to_images)
 
     def __attrs_post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -75,6 +79,7 @@ def to_generate(request: ScoreRequest) -> GenerateRequest:
         prompt_token_ids=request.prompt_token_ids + request.completion_token_ids,
         sampling=SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=True, ignore_eos=True),
         request_id=request.request_id,
+        images=request.images,
         **fields,
     )
 
@@ -87,7 +92,10 @@ async def score(engine: AsyncEngine, requests: ScoreRequest | Sequence[ScoreRequ
     out = []
     for request, completion in zip(batch, completions, strict=True):
         prompt_logprobs = completion.prompt_logprobs
-        start = len(request.prompt_token_ids)
+        prompt = request.prompt_token_ids
+        if request.images:  # the engine expanded the image placeholders
+            prompt = completion.prompt_token_ids[: len(completion.prompt_token_ids) - len(request.completion_token_ids)]
+        start = len(prompt)
         total = start + len(request.completion_token_ids)
         if prompt_logprobs is None or len(prompt_logprobs) != total:
             got = None if prompt_logprobs is None else len(prompt_logprobs)
@@ -97,7 +105,5 @@ async def score(engine: AsyncEngine, requests: ScoreRequest | Sequence[ScoreRequ
             )
         logprobs = tuple(float(x) for x in prompt_logprobs[start:] if x is not None)
         versions = completion.token_versions or (completion.weight_version,)
-        out.append(
-            Score(request.request_id, request.prompt_token_ids, request.completion_token_ids, logprobs, versions[0])
-        )
+        out.append(Score(request.request_id, prompt, request.completion_token_ids, logprobs, versions[0]))
     return out

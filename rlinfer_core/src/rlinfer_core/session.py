@@ -35,6 +35,7 @@ import attrs
 
 from rlinfer_core.chat_template import ChatTemplate, Delta, TemplateContinuityError, load_tokenizer
 from rlinfer_core.errors import InvalidRequest
+from rlinfer_core.multimodal import Image, content_images, template_content, to_content
 from rlinfer_core.sync_twin import Delegated, SyncTwin, blocking, converted, delegated, delegated_property
 from rlinfer_core.tools import ToolCalls, ToolSpec, check_parser, to_tools
 from rlinfer_core.types import Capability, Completion, FinishReason, GenerateRequest, SamplingParams
@@ -119,6 +120,7 @@ class AsyncSession:
         self._mask: list[int] = []
         self._logprobs: list[float] = []
         self._versions: list[int] = []
+        self._images: list[Image] = []  # the messages' images, in prompt order
         self.turns: list[Turn] = []
         if prompt_token_ids is not None:
             if self.template is not None:
@@ -154,7 +156,7 @@ class AsyncSession:
     def fork(self) -> AsyncSession:
         """An independent copy (e.g. several continuations of one prefix for a GRPO group)."""
         twin = copy.copy(self)
-        for name in ("messages", "_ids", "_mask", "_logprobs", "_versions", "turns"):
+        for name in ("messages", "_ids", "_mask", "_logprobs", "_versions", "turns", "_images"):
             setattr(twin, name, copy.deepcopy(getattr(self, name)) if name == "messages" else list(getattr(self, name)))
         return twin
 
@@ -180,26 +182,28 @@ class AsyncSession:
 
     # --- environment turns -----------------------------------------------------------------
 
-    def add_message(self, /, role: str, content: str, **fields: Any) -> Turn:
+    def add_message(self, /, role: str, content: str | Sequence[Any], **fields: Any) -> Turn:
         """Append a chat message from the environment (``user``, ``tool``, ``system``), rendered
         by the chat template; extra ``fields`` (e.g. ``name``, ``tool_call_id``) go to the
-        template. Model turns come from :meth:`generate`, not from here."""
+        template. Model turns come from :meth:`generate`, not from here. ``content`` may hold image
+        parts (:mod:`rlinfer_core.multimodal`): their placeholders enter the session expanded by
+        the model's HF processor, and every later generation sends the session's images along."""
         template = self._need_template("add_message")
         if role == "assistant":
             raise InvalidRequest("role", "assistant turns are generated; use generate()")
-        if not isinstance(content, str):
-            raise InvalidRequest("content", f"must be a string, got {type(content).__name__}")
-        message = {"role": role, "content": content, **fields}
+        parts = to_content(content, "content")
+        images = content_images(parts)
+        message = {"role": role, "content": template_content(parts), **fields}
         after = template.render([*self.messages, message], add_generation_prompt=False)
         base = self.messages[-1:]
         fallback = (template.render(base, False), template.render([*base, message], False)) if base else None
         delta = template.delta(self._rendered, after, fallback, f"adding a {role} message")
         self._check(delta)
+        ids = template.encode_with_images(delta.text, images) if images else template.encode(delta.text)
         self.messages.append(message)
         self._rendered = after
-        return self._append(
-            "environment", template.encode(delta.text), role=role, text=delta.text, exact=delta.exact, note=delta.note
-        )
+        self._images.extend(images)
+        return self._append("environment", ids, role=role, text=delta.text, exact=delta.exact, note=delta.note)
 
     def add_tool_result(self, content: str, *, name: str | None = None, tool_call_id: str | None = None) -> Turn:
         """Append a tool's result as a ``tool`` message."""
@@ -241,7 +245,7 @@ class AsyncSession:
             extra = [t for t in self.template.end_of_turn_ids if t not in params.stop_token_ids]
             if extra and not params.ignore_eos:
                 params = attrs.evolve(params, stop_token_ids=(*params.stop_token_ids, *extra))
-        fields: dict[str, Any] = {"prompt_token_ids": tuple(self._ids), "sampling": params}
+        fields: dict[str, Any] = {"prompt_token_ids": tuple(self._ids), "sampling": params, "images": self._images}
         if request_id is not None:
             fields["request_id"] = request_id
         if self.lora is not None:

@@ -140,20 +140,27 @@ def _config(spec: TinyVLMSpec, tokenizer: object) -> object:
     )
 
 
-def _processor(spec: TinyVLMSpec, tokenizer: object) -> object:
-    """The processor: the PIL image processor and the video processor (transformers' Qwen2-VL
-    processor needs torchvision for the latter, even for images)."""
-    from transformers import Qwen2VLProcessor
+def _save_processor(spec: TinyVLMSpec, tokenizer: object, out: Path) -> None:
+    """The processor's files: tokenizer, the PIL image processor, the video processor's config and
+    the chat template. Written piece by piece: building transformers' Qwen2VLProcessor object
+    needs torchvision (for its video processor), loading the directory needs it too, writing it
+    does not."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 
     pixels = dict(min_pixels=spec.image_pixels, max_pixels=spec.image_pixels)
-    return Qwen2VLProcessor(
-        image_processor=Qwen2VLImageProcessorPil(**pixels),
-        tokenizer=tokenizer,
-        video_processor=Qwen2VLVideoProcessor(**pixels),
-        chat_template=VLM_CHAT_TEMPLATE,
-    )
+    tokenizer.save_pretrained(out)  # type: ignore[attr-defined]
+    Qwen2VLImageProcessorPil(**pixels).save_pretrained(out)
+    video = {
+        "video_processor_type": "Qwen2VLVideoProcessor",
+        "size": {"shortest_edge": spec.image_pixels, "longest_edge": spec.image_pixels},
+        **pixels,
+        "patch_size": 14,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+    }
+    (out / "video_preprocessor_config.json").write_text(json.dumps(video, indent=1))
+    (out / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2VLProcessor"}, indent=1))
+    (out / "chat_template.jinja").write_text(VLM_CHAT_TEMPLATE)
 
 
 def make_tiny_vlm(path: str | Path, seed: int = 0, spec: TinyVLMSpec | None = None) -> Path:
@@ -170,7 +177,7 @@ def make_tiny_vlm(path: str | Path, seed: int = 0, spec: TinyVLMSpec | None = No
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = _tokenizer()
-    _processor(spec, tokenizer).save_pretrained(out)  # type: ignore[attr-defined]
+    _save_processor(spec, tokenizer, out)
     config = _config(spec, tokenizer)
     generator_state = torch.random.get_rng_state()
     try:

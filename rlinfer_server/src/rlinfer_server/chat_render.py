@@ -18,8 +18,9 @@ from typing import Any
 import attrs
 
 from rlinfer_core.errors import InvalidRequest
+from rlinfer_core.multimodal import Image, to_image
 from rlinfer_core.tools import ToolSpec
-from rlinfer_server.schemas import ChatMessageIn, ChatTemplateFields, ToolCallIn
+from rlinfer_server.schemas import ChatMessageIn, ChatTemplateFields, ImageUrlPart, TextPart, ToolCallIn
 
 #: apply_chat_template arguments a request's chat_template_kwargs may not set (the server sets them)
 RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -46,6 +47,8 @@ class RenderedChat:
 
     text: str
     token_ids: tuple[int, ...]
+    #: the messages' images in prompt order (image_url parts), sent beside the token ids
+    images: tuple[Image, ...] = ()
 
 
 def _arguments(call: ToolCallIn) -> dict[str, Any]:
@@ -72,8 +75,7 @@ def template_message(message: ChatMessageIn, index: int = 0) -> dict[str, Any]:
     if message.audio is not None:
         raise InvalidRequest(f"messages.{index}.audio", "rlinfer serves text models")
     content = message.content
-    text = "\n".join(p.text for p in content) if isinstance(content, list) else (content or "")
-    out: dict[str, Any] = {"role": message.role, "content": text}
+    out: dict[str, Any] = {"role": message.role, "content": _template_content(content)}
     if message.name is not None:
         out["name"] = message.name
     if message.tool_calls:
@@ -95,6 +97,26 @@ def template_message(message: ChatMessageIn, index: int = 0) -> dict[str, Any]:
     if reasoning is not None:
         out["reasoning"] = out["reasoning_content"] = reasoning
     return out
+
+
+def _template_content(content: str | list[TextPart | ImageUrlPart] | None) -> Any:
+    """Text parts joined by newlines (as vLLM does); with image parts, the parts in order with
+    each image as ``{"type": "image"}`` (the template renders the model's placeholder)."""
+    if not isinstance(content, list):
+        return content or ""
+    if not any(isinstance(p, ImageUrlPart) for p in content):
+        return "\n".join(p.text for p in content if isinstance(p, TextPart))
+    return [{"type": "text", "text": p.text} if isinstance(p, TextPart) else {"type": "image"} for p in content]
+
+
+def message_images(messages: Sequence[ChatMessageIn]) -> tuple[Image, ...]:
+    """The images of ``messages``' image_url parts, in order (InvalidRequest for a bad one)."""
+    out = []
+    for i, message in enumerate(messages):
+        for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+            if isinstance(part, ImageUrlPart):
+                out.append(to_image(part.image_url.url, f"messages.{i}.content.{j}.image_url.url"))
+    return tuple(out)
 
 
 def _template_kwargs(body: ChatTemplateFields, trust_request_template: bool) -> dict[str, Any]:
@@ -151,4 +173,4 @@ def render_chat(
         raise InvalidRequest(
             "messages", f"the templated prompt has {len(ids)} tokens, max_model_len is {max_model_len}"
         )
-    return RenderedChat(str(text), ids)
+    return RenderedChat(str(text), ids, message_images(body.messages))

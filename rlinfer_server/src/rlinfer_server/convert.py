@@ -197,6 +197,7 @@ def chat_request(body: ChatRequest, prompt: RenderedChat, plan: ToolPlan) -> Gen
     sampling = _sampling(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else 0, structured)
     return GenerateRequest(
         prompt_token_ids=prompt.token_ids,
+        images=prompt.images,
         sampling=sampling,
         request_id=_ids(body.request_id, 1)[0],
         tools=plan.specs if plan.parser is not None else None,

@@ -151,6 +151,21 @@ class TextPart(Body):
     text: str
 
 
+class ImageUrl(Body):
+    """An image part's image: a ``data:image/...;base64,`` URL (the server fetches nothing)."""
+
+    url: str
+    detail: str | None = None
+
+
+class ImageUrlPart(Body):
+    """An image part of a chat message's content (OpenAI's ``image_url``; capability
+    generate.multimodal of the served engine)."""
+
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
 class FunctionCallIn(Body):
     """The function of an assistant message's tool call: ``arguments`` as JSON text (OpenAI) or
     an object."""
@@ -171,7 +186,7 @@ class ChatMessageIn(Body):
     """One chat message: ``tool_calls`` on assistant turns, ``tool_call_id`` on tool results."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImageUrlPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None

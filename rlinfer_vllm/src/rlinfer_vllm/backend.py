@@ -181,6 +181,8 @@ class VllmBackend(WeightHooks, StagingHooks, MemoryHooks, BenchHooks, LoraHooks,
             off[Capability.WEIGHTS_CHECKSUM] = "needs an unquantized model and tensor_parallel_size=1"
         if getattr(llm.tokenizer, "chat_template", None) is None:
             off[Capability.CHAT] = "the model's tokenizer has no chat template"
+        if not llm.model_config.is_multimodal_model:
+            off[Capability.MULTIMODAL] = "the served model takes no images (not a vision-language model)"
         return self._caps.without(off)
 
     @hookimpl
@@ -365,6 +367,11 @@ class VllmBackend(WeightHooks, StagingHooks, MemoryHooks, BenchHooks, LoraHooks,
             return
         if not await llm.reset_prefix_cache():
             await llm.reset_prefix_cache(reset_running_requests=True)
+        if llm.model_config.is_multimodal_model:
+            # image embeddings the old weights computed, in vLLM's scheduler and worker caches both
+            # (without it, an image seen before a weight load killed the engine core on CPU with
+            # "Encoder cache miss" when sent again after it)
+            await llm.reset_encoder_cache()
         self._gate.cache_was_reset()
 
 

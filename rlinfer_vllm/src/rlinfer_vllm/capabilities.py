@@ -55,7 +55,7 @@ COMMON: frozenset[Capability] = frozenset(
 
 #: implemented by the in-process backend only (server mode does not claim them)
 INPROCESS: frozenset[Capability] = frozenset(
-    {Capability.TOOLS, Capability.STRUCTURED, Capability.GRAMMAR_EBNF, Capability.LOGPROBS_RAW}
+    {Capability.TOOLS, Capability.STRUCTURED, Capability.GRAMMAR_EBNF, Capability.LOGPROBS_RAW, Capability.MULTIMODAL}
 )
 
 INPROCESS_NOTES = {
@@ -68,6 +68,11 @@ INPROCESS_NOTES = {
         "vLLM structured outputs (xgrammar); processed logprobs include the grammar mask; JSON is generated compact"
     ),
     Capability.GRAMMAR_EBNF.value: "vLLM structured_outputs.grammar through xgrammar (GBNF dialect)",
+    Capability.MULTIMODAL.value: (
+        "images (PIL, bytes, arrays, data: URLs) for a vision-language model vLLM serves (the kit's tiny Qwen2-VL "
+        "on CPU); video and audio are not mapped. Placeholder runs are collapsed to one token per image and vLLM "
+        "expands them once; raw logprobs are not scored with images (rlinfer_vllm.images)"
+    ),
     Capability.LORA.value: (
         "vLLM LoRA (CPU: PunicaWrapperCPU); needs engine_kwargs enable_lora=True and max_lora_rank; prompt "
         "logprobs, raw logprobs and score are refused under an adapter (vLLM 0.32 kills its engine core there)"
@@ -238,6 +243,17 @@ def installed_platform() -> Platform:
     return "cuda" if found is not None and found[0] == "vllm" else "cpu"
 
 
+#: why server mode does not claim generate.multimodal
+SERVER_MULTIMODAL_NOTE = (
+    "not implemented in server mode: vLLM's token-in endpoint (/inference/v1/generate) takes images only as "
+    "processed features from its render endpoint, which rlinfer does not send yet (in-process only)"
+)
+#: why CUDA does not claim it yet
+CUDA_MULTIMODAL_NOTE = (
+    "mapped (rlinfer_vllm.images, the CPU path), not claimed until the kit's image tests run on a GPU"
+)
+
+
 def capabilities(
     platform: Platform,
     engine_version: str,
@@ -263,8 +279,12 @@ def capabilities(
             supported.add(Capability.LORA)
     else:
         notes.update({c.value: SERVER_MODE_NOTE for c in (*INPROCESS, Capability.LORA, Capability.DETERMINISTIC)})
+        notes[Capability.MULTIMODAL.value] = SERVER_MULTIMODAL_NOTE
     if platform == "cpu":
         return Capabilities(BACKEND, engine_version, "cpu", frozenset(supported), notes)
+    if Capability.MULTIMODAL in supported:
+        supported.discard(Capability.MULTIMODAL)
+        notes[Capability.MULTIMODAL.value] = CUDA_MULTIMODAL_NOTE
     if memory_release is False:
         notes[Capability.MEMORY_RELEASE.value] = MEMORY_RELEASE_OFF_NOTE
         notes[Capability.MEMORY_DISCARD_WEIGHTS.value] = MEMORY_RELEASE_OFF_NOTE

@@ -5,15 +5,25 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from rlinfer_core.chat_template import prompt_ids
+from rlinfer_core.errors import UnsupportedCapability
 from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.model_info import ModelInfo
-from rlinfer_core.types import Completion, CompletionDelta, FinishReason, GenerateRequest, LogprobsMode
+from rlinfer_core.types import (
+    Capability,
+    Completion,
+    CompletionDelta,
+    EngineConfig,
+    FinishReason,
+    GenerateRequest,
+    LogprobsMode,
+)
 from rlinfer_vllm import convert
+from rlinfer_vllm import images as image_inputs
 from rlinfer_vllm.batch import complete_all
 from rlinfer_vllm.lora import lora_request
 from rlinfer_vllm.raw import RawLogprobs, delta_tokens
@@ -29,6 +39,7 @@ class Generation(RawLogprobs):
 
     _info: ModelInfo | None
     _inflight: set[str]
+    config: EngineConfig
 
     def _lora_acquire(self, request: GenerateRequest) -> ServedAdapter | None:
         raise NotImplementedError
@@ -43,6 +54,27 @@ class Generation(RawLogprobs):
         assert self._info is not None
         return self._info.max_model_len
 
+    def _engine_prompt(self, request: GenerateRequest, ids: list[int]) -> tuple[Any, int]:
+        """vLLM's prompt for ``ids`` (with the request's images, placeholders expanded once by
+        vLLM: :mod:`rlinfer_vllm.images`) and its length as served."""
+        from vllm.inputs.engine import tokens_input
+
+        images = request.all_images
+        if not images:
+            return tokens_input(ids), len(ids)
+        if request.sampling.logprobs_mode is LogprobsMode.RAW:
+            raise UnsupportedCapability(
+                Capability.LOGPROBS_RAW.value, "vllm", "raw logprobs are scored by a text-only prefill: not with images"
+            )
+        return image_inputs.engine_prompt(self.config.model, ids, images)
+
+    def _with_images(self, request: GenerateRequest, done: list[Completion]) -> list[Completion]:
+        images = request.all_images
+        if not images or not done:
+            return done
+        info = image_inputs.multimodal_info(self.config.model, done[0].prompt_token_ids, images)
+        return [attrs.evolve(c, multimodal=info) for c in done]
+
     @hookimpl
     async def rlinfer_generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:
         """Run every request concurrently; n completions per request, in request order."""
@@ -50,12 +82,12 @@ class Generation(RawLogprobs):
         return await complete_all(requests, self._complete)
 
     async def _complete(self, request: GenerateRequest) -> list[Completion]:
-        from vllm.inputs.engine import tokens_input
         from vllm.sampling_params import RequestOutputKind
 
         llm = self._alive()
         ids = self._prompt_ids(llm, request)
-        params = convert.sampling_params(request, len(ids), self._max_len(), RequestOutputKind.FINAL_ONLY)
+        prompt, prompt_len = self._engine_prompt(request, ids)
+        params = convert.sampling_params(request, prompt_len, self._max_len(), RequestOutputKind.FINAL_ONLY)
         started = time.perf_counter()
         last = None
         served = self._lora_acquire(request)
@@ -66,7 +98,7 @@ class Generation(RawLogprobs):
                 async with self._gate.enter(request.request_id) as entry:
                     if entry.admitted:
                         async for out in llm.generate(
-                            tokens_input(ids), params, request.request_id, lora_request=lora, priority=request.priority
+                            prompt, params, request.request_id, lora_request=lora, priority=request.priority
                         ):
                             last = out
             except Exception as exc:
@@ -84,6 +116,7 @@ class Generation(RawLogprobs):
                 for c in convert.completions(request, last, latency)
             ]
             versions.forget(request.request_id, params.n)
+            done = self._with_images(request, done)
             return convert.replicate(request, await self._with_raw(request, ids, done, lora))
         finally:
             await self._lora_done(served)
@@ -91,12 +124,12 @@ class Generation(RawLogprobs):
     @hookimpl
     async def rlinfer_generate_stream(self, request: GenerateRequest) -> AsyncIterator[CompletionDelta]:
         """Stream deltas (vLLM's DELTA output kind); the last one of each sample has its finish reason."""
-        from vllm.inputs.engine import tokens_input
         from vllm.sampling_params import RequestOutputKind
 
         llm = self._alive()
         ids = self._prompt_ids(llm, request)
-        params = convert.sampling_params(request, len(ids), self._max_len(), RequestOutputKind.DELTA)
+        prompt, prompt_len = self._engine_prompt(request, ids)
+        params = convert.sampling_params(request, prompt_len, self._max_len(), RequestOutputKind.DELTA)
         versions = self._versions
         assert versions is not None
         served = self._lora_acquire(request)
@@ -113,7 +146,7 @@ class Generation(RawLogprobs):
                         )
                     return
                 async for out in llm.generate(
-                    tokens_input(ids), params, request.request_id, lora_request=lora, priority=request.priority
+                    prompt, params, request.request_id, lora_request=lora, priority=request.priority
                 ):
                     if out.finished:  # ended in the engine; the consumer may read it later
                         self._inflight.discard(request.request_id)

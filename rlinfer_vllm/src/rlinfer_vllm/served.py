@@ -91,8 +91,37 @@ def _served_weight(module: Any, dtype: torch.dtype) -> torch.Tensor:
 
 def fused_parts(model: Any) -> dict[str, tuple[str, int]]:
     """HF module name (last component) -> (fused vLLM name, index of its part)."""
-    mapping: Mapping[str, list[str]] = getattr(model, "packed_modules_mapping", None) or {}
+    mapping: dict[str, list[str]] = {}
+    # a vision-language model keeps the mapping on its nested language model; the outermost wins
+    for module in reversed(list(model.modules())):
+        mapping.update(getattr(module, "packed_modules_mapping", None) or {})
     return {part: (fused, i) for fused, parts in mapping.items() for i, part in enumerate(parts)}
+
+
+def _module_of(modules: Mapping[str, Any], fused: Mapping[str, tuple[str, int]], path: str) -> tuple[Any, int | None]:
+    """The module at ``path`` (a checkpoint module name), or the fused module holding it and its
+    part index; (None, None) when the model has neither."""
+    path = path.removesuffix(".")
+    module = modules.get(path)
+    if module is not None:
+        return module, None
+    parent, _, leaf = path.rpartition(".")
+    if leaf in fused:
+        fused_name, index = fused[leaf]
+        module = modules.get(f"{parent}.{fused_name}" if parent else fused_name)
+        if module is not None:
+            return module, index
+    return None, None
+
+
+def _vllm_name(model: Any, name: str) -> str | None:
+    """``name`` mapped by the model's ``hf_to_vllm_mapper`` (checkpoint -> vLLM prefixes, e.g.
+    Qwen2-VL's ``model.`` -> ``language_model.model.``); None without a mapper or a mapping."""
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    if mapper is None:
+        return None
+    mapped: str | None = mapper.map_name(name)
+    return mapped
 
 
 def served_tensors(model: Any, names: Mapping[str, tuple[int, ...]], dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -113,14 +142,9 @@ def served_tensors(model: Any, names: Mapping[str, tuple[int, ...]], dtype: torc
                 out[name] = experts[name]
             continue
         path, _, attr = name.rpartition(".")
-        part = None
-        module = modules.get(path)
-        if module is None:
-            parent, _, leaf = path.rpartition(".")
-            if leaf in fused:
-                fused_name, index = fused[leaf]
-                module = modules.get(f"{parent}.{fused_name}" if parent else fused_name)
-                part = index
+        module, part = _module_of(modules, fused, path)
+        if module is None:  # a vision-language model nests the language model (its hf_to_vllm_mapper)
+            module, part = _module_of(modules, fused, _vllm_name(model, path + ".") or path)
         if module is None:
             continue
         if attr == "weight":

@@ -16,6 +16,7 @@ from rlinfer_conformance.suite.test_invalid import *  # noqa: F403
 from rlinfer_conformance.suite.test_lifecycle import *  # noqa: F403
 from rlinfer_conformance.suite.test_memory import *  # noqa: F403
 from rlinfer_conformance.suite.test_meta import *  # noqa: F403
+from rlinfer_conformance.suite.test_multimodal import *  # noqa: F403
 from rlinfer_conformance.suite.test_negative import *  # noqa: F403
 from rlinfer_conformance.suite.test_out_of_memory import *  # noqa: F403
 from rlinfer_conformance.suite.test_quantized_reload import *  # noqa: F403
