@@ -57,7 +57,7 @@ def test_cpu_capabilities_are_honest() -> None:
     assert not caps.supports(Capability.SEEDED_SAMPLING)
     assert "frees nothing" in caps.notes[Capability.MEMORY_RELEASE.value]
     assert "deterministic" in caps.notes[Capability.SEEDED_SAMPLING.value]
-    outputs = {Capability.GENERATE_ROUTED_EXPERTS, Capability.GENERATE_HIDDEN_STATES}
+    outputs = {Capability.GENERATE_ROUTED_EXPERTS, Capability.GENERATE_HIDDEN_STATES, Capability.MULTIMODAL}
     assert COMMON | SAMPLING | AGENT_CPU | {Capability.WEIGHTS_CHECKSUM} | outputs == caps.supported
     assert "pin_memory" in caps.notes[Capability.LORA.value], "lora: the measured reason"
     assert caps.notes[Capability.LOGPROBS_PROCESSED.value] and caps.notes[Capability.WEIGHTS_CHECKSUM.value]
@@ -295,3 +295,43 @@ def test_routed_experts_mapping(tmp_path: Path) -> None:
     assert "enable_return_routed_experts" not in server_args(
         EngineConfig(model=dense, enable_routed_experts=True), "cpu"
     )
+
+
+def test_images_are_claimed_for_a_model_with_an_image_token_only(tmp_path: Path) -> None:
+    """generate.multimodal: dropped at start for a text model (no image_token_id), kept for a VLM;
+    on CUDA not claimed (the kit has not run there), with the reason."""
+    from rlinfer_sglang.capabilities import multimodal_off
+
+    text, vlm = tmp_path / "text", tmp_path / "vlm"
+    text.mkdir()
+    vlm.mkdir()
+    (text / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    (vlm / "config.json").write_text(
+        json.dumps({"architectures": ["Qwen2VLForConditionalGeneration"], "image_token_id": 5})
+    )
+    assert "text-only" in multimodal_off(str(text))[Capability.MULTIMODAL]
+    assert multimodal_off(str(vlm)) == {}
+    cuda = capabilities("cuda", "sglang 0.5.16")
+    assert not cuda.supports(Capability.MULTIMODAL) and "not run on a GPU" in cuda.notes[Capability.MULTIMODAL.value]
+
+
+def test_images_go_to_sglang_as_one_image_token_each_with_data_urls(tmp_path: Path) -> None:
+    """rlinfer_sglang.images.engine_input: the expanded prompt collapsed to one image token per
+    image (SGLang expands it; it does not recognise an expanded run) plus image_data; a batched
+    server body gives samples without images ``image_data: []``."""
+    import numpy as np
+
+    from rlinfer_core.types import GenerateRequest
+    from rlinfer_sglang.images import engine_input
+    from rlinfer_sglang.server_mode.convert import batch_body
+
+    (tmp_path / "config.json").write_text(json.dumps({"image_token_id": 5}))
+    image = np.zeros((8, 8, 3), dtype=np.uint8)
+    request = GenerateRequest(prompt_token_ids=[1, 5, 5, 5, 2], images=[image])
+    sent = engine_input(str(tmp_path), request, [1, 5, 5, 5, 2])
+    assert sent["input_ids"] == [1, 5, 2]
+    assert [url[:22] for url in sent["image_data"]] == ["data:image/png;base64,"]
+    plain = GenerateRequest(prompt_token_ids=[1, 5, 2])
+    assert engine_input(str(tmp_path), plain, [1, 5, 2]) == {"input_ids": [1, 5, 2]}
+    body = batch_body([{"input_ids": [1, 2], "rid": "a"}, {**sent, "rid": "b"}])
+    assert body["input_ids"] == [[1, 2], [1, 5, 2]] and body["image_data"] == [[], sent["image_data"]]
