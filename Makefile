@@ -83,9 +83,10 @@ test-sglang-server: env-sglang
 
 # the essential subset for CI (~3-5 min, in `make test`): the kit on one server engine
 # (generate, weights, versions, pause, abort, errors), without the extra engines of the fault
-# matrix and the extra architectures
+# matrix, the extra architectures and the image tests' tiny-VLM server (~50 s; they run in
+# test-sglang-server, in `make thorough`, and in process in test-sglang)
 test-sglang-server-ci: env-sglang
-	timeout 900 $(VENVS)/sglang/bin/python -m pytest tests/backends/test_sglang_conformance.py -q -p no:cacheprovider --rlinfer-backend sglang --rlinfer-config mode=server -k "not killed_in_turn and not architecture" --rlinfer-report out/conformance-sglang-server-ci.json
+	timeout 900 $(VENVS)/sglang/bin/python -m pytest tests/backends/test_sglang_conformance.py -q -p no:cacheprovider --rlinfer-backend sglang --rlinfer-config mode=server -k "not killed_in_turn and not architecture and not image" --rlinfer-report out/conformance-sglang-server-ci.json
 
 # SGLang at tensor_parallel_size=2 on CPU (two TP ranks, one core each, gloo): CPU-tensor and
 # bucket updates reach both ranks, in process and in server mode (~1.5 min; issue 12)
