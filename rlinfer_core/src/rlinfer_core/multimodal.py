@@ -287,23 +287,12 @@ def expand_image_runs(token_ids: Sequence[int], image_token_id: int, lengths: Se
     return out
 
 
-#: transformers 5 nests a vision-language model's parts under ``model.`` at run time; checkpoints
-#: (and the engines' weight names, which rlinfer's updates use) keep the published layout
-_RUNTIME_PREFIXES = (("model.visual.", "visual."), ("model.language_model.", "model."))
-
-
 def checkpoint_names(model_dir: str | Path, runtime: Sequence[str]) -> dict[str, str]:
     """Runtime parameter name (``model.named_parameters()`` of a transformers 5 vision-language
-    model) -> the name the checkpoint in ``model_dir`` stores it under, for the names that differ:
-    what a trainer renames before ``update_weights``."""
+    model) -> the name the checkpoint in ``model_dir`` stores it under, for the names that differ
+    (:mod:`rlinfer_core.trainer_names`, which the engine facade also applies to every update)."""
+    from rlinfer_core.trainer_names import name_map
     from rlinfer_core.transfer.disk import read_specs
 
-    stored = set(read_specs(str(model_dir)))
-    out: dict[str, str] = {}
-    for name in runtime:
-        if name in stored:
-            continue
-        for prefix, saved in _RUNTIME_PREFIXES:
-            if name.startswith(prefix) and saved + name[len(prefix) :] in stored:
-                out[name] = saved + name[len(prefix) :]
-    return out
+    renamed = name_map(read_specs(str(model_dir))).renamed
+    return {name: renamed[name] for name in runtime if name in renamed}
