@@ -20,6 +20,7 @@ from rlinfer_core.errors import (
     EngineDead,
     InvalidRequest,
     RLInferError,
+    UnsupportedCapability,
 )
 from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.model_info import ModelInfo
@@ -35,7 +36,13 @@ from rlinfer_core.weights import (
     TensorSpec,
 )
 from rlinfer_vllm.bench import BenchHooks
-from rlinfer_vllm.capabilities import PRIORITY_OFF_NOTE, capabilities, installed_engine, installed_platform
+from rlinfer_vllm.capabilities import (
+    PRIORITY_OFF_NOTE,
+    capabilities,
+    installed_engine,
+    installed_platform,
+    lora_refused,
+)
 from rlinfer_vllm.config import engine_args, engine_environment, resolve_platform
 from rlinfer_vllm.generation import Generation
 from rlinfer_vllm.load_gate import LoadGate
@@ -91,6 +98,12 @@ class VllmBackend(WeightHooks, StagingHooks, MemoryHooks, BenchHooks, LoraHooks,
             inprocess=True,
             lora=bool(config.engine_kwargs.get("enable_lora", False)),
         )
+        #: why this engine's configuration cannot serve the LoRA it asks for (refused at start)
+        self._lora_refused = (
+            lora_refused(self.platform, config.dtype) if config.engine_kwargs.get("enable_lora") else None
+        )
+        if self._lora_refused is not None:
+            self._caps = self._caps.without({Capability.LORA: self._lora_refused})
         self._llm: AsyncLLM | None = None
         self._closed = False
         self._specs: dict[str, TensorSpec] = {}
@@ -118,6 +131,8 @@ class VllmBackend(WeightHooks, StagingHooks, MemoryHooks, BenchHooks, LoraHooks,
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        if self._lora_refused is not None:  # the engine core would die at start
+            raise UnsupportedCapability(Capability.LORA.value, "vllm", self._lora_refused)
         started = time.perf_counter()
         before = processes.snapshot()
         kwargs = engine_args(config, self.platform)

@@ -224,6 +224,20 @@ PARALLEL_NOTES: dict[Platform, dict[str, str]] = {
 }
 
 
+LORA_FLOAT32_CUDA_NOTE = (
+    "not with a float32 engine on CUDA: vLLM's GPU LoRA kernels (Triton punica, lora_expand) take "
+    "float16/bfloat16 weights only and the engine core dies at start (AssertionError in _lora_expand, "
+    "vLLM 0.26 on an H200); start the engine with dtype bfloat16 or float16"
+)
+
+
+def lora_refused(platform: Platform, dtype: str) -> str | None:
+    """Why vLLM cannot serve LoRA on ``platform`` with an engine of ``dtype`` (None: it can)."""
+    if platform == "cuda" and dtype in ("float32", "fp32", "float"):
+        return LORA_FLOAT32_CUDA_NOTE
+    return None
+
+
 def installed_engine() -> tuple[str, str] | None:
     """(distribution, version) of the installed vLLM build, or None."""
     from packaging.requirements import Requirement

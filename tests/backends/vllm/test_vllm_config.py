@@ -61,12 +61,13 @@ def test_cpu_capabilities_say_no_memory_release() -> None:
     }
     # routes: CPU has no Model Runner V2 (CUDA: unverified); stop_regex: vLLM has none;
     # priority: only with priority_scheduling (the engine's scheduling policy)
-    # hidden states: vLLM has no per-request hidden-state output
+    # hidden states: vLLM has no per-request hidden-state output; cuda_graph: sleep mode has no such tag
     not_claimed = {
         Capability.GENERATE_ROUTED_EXPERTS,
         Capability.GENERATE_HIDDEN_STATES,
         Capability.STOP_REGEX,
         Capability.PRIORITY,
+        Capability.MEMORY_CUDA_GRAPH,
     }
     assert {c for c in Capability if c not in derived | gpu_only | not_claimed} <= caps.supported
     for platform in ("cpu", "cuda"):
@@ -245,3 +246,11 @@ def test_hidden_states_are_refused_before_any_engine_starts(tmp_path: Path) -> N
         assert "no per-request hidden-state output" in caps.notes[Capability.GENERATE_HIDDEN_STATES.value]
     with pytest.raises(UnsupportedCapability, match=r"generate\.hidden_states"):
         open_engine("vllm", EngineConfig(model=str(tmp_path), enable_hidden_states=True))
+
+
+def test_lora_is_refused_for_a_float32_engine_on_cuda_only() -> None:
+    from rlinfer_vllm.capabilities import lora_refused
+
+    assert "float16/bfloat16" in (lora_refused("cuda", "float32") or "")
+    assert lora_refused("cuda", "bfloat16") is None
+    assert lora_refused("cpu", "float32") is None, "the CPU punica path serves float32 (the kit's LoRA test)"
