@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import logging
 import platform
 import statistics
@@ -44,7 +43,7 @@ from typing import Any
 GB = 1e9
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from weight_sync_bench import WorkerTimings  # noqa: E402  (the backends' per-update debug line)
+from weight_sync_bench import WorkerTimings, prefix_agreement, stats, write_outcome  # noqa: E402
 
 #: per-update timings logged by the backend's worker (rlinfer_vllm: load_s, map_s, shadow_s)
 WORKER_TIMINGS = WorkerTimings()
@@ -67,28 +66,10 @@ def timed(device: str, fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - started, result
 
 
-def stats(values: Sequence[float]) -> dict[str, float]:
-    """Median, min, max of a list of seconds."""
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
-
-
 def max_abs_diff(a: Sequence[Sequence[float]], b: Sequence[Sequence[float]]) -> dict[str, float]:
     """Largest and mean |a - b| over every position of every sequence."""
     diffs = [abs(x - y) for xs, ys in zip(a, b, strict=True) for x, y in zip(xs, ys, strict=True)]
     return {"max": max(diffs), "mean": sum(diffs) / len(diffs), "n": len(diffs)}
-
-
-def prefix_agreement(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> float:
-    """Mean over samples of the fraction of leading tokens on which two runs agree."""
-    fractions = []
-    for x, y in zip(a, b, strict=True):
-        n = 0
-        for p, q in zip(x, y, strict=False):
-            if p != q:
-                break
-            n += 1
-        fractions.append(n / max(1, max(len(x), len(y))))
-    return sum(fractions) / max(1, len(fractions))
 
 
 def weight_sets(
@@ -372,17 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     backend_logger = logging.getLogger(f"rlinfer_{args.backend}")
     backend_logger.setLevel(logging.DEBUG)  # per-update worker timings
     backend_logger.addHandler(WORKER_TIMINGS)
-    try:
-        result = run(args)
-    except Exception as exc:
-        result = {
-            "backend": args.backend,
-            "errors": [f"{type(exc).__name__}: {exc}"],
-            "traceback": traceback.format_exc(),
-        }
-    args.json_out.write_text(json.dumps(result, indent=1, default=str))
-    print(summary(result) if "phases" in result else json.dumps(result, indent=1))
-    return 1 if result.get("errors") else 0
+    return write_outcome(args, run, summary, "phases")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from weight_sync_bench import GIB, load_weight_sets, memory_snapshot, stats, timed
+from weight_sync_bench import GIB, load_weight_sets, memory_snapshot, stats, timed, write_outcome
 
 PHASES = ("release_s", "train_stand_in_s", "resume_weights_s", "update_weights_s", "resume_kv_cache_s", "first_token_s")
 
@@ -187,17 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     args.json_out.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        result = run(args)
-    except Exception as exc:
-        result = {
-            "backend": args.backend,
-            "errors": [f"{type(exc).__name__}: {exc}"],
-            "traceback": traceback.format_exc(),
-        }
-    args.json_out.write_text(json.dumps(result, indent=1, default=str))
-    print(summary(result))
-    return 1 if result.get("errors") else 0
+    return write_outcome(args, run, summary, "backend")
 
 
 if __name__ == "__main__":

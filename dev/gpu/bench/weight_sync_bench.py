@@ -386,6 +386,27 @@ def summary(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def write_outcome(
+    args: argparse.Namespace,
+    run: Callable[[argparse.Namespace], dict[str, Any]],
+    summary: Callable[[dict[str, Any]], str],
+    done_key: str,
+) -> int:
+    """Run a bench, write its JSON (or the error and traceback) to ``args.json_out`` and print the
+    summary (the raw JSON when ``done_key`` is missing); exit status 1 on errors."""
+    try:
+        result = run(args)
+    except Exception as exc:
+        result = {
+            "backend": args.backend,
+            "errors": [f"{type(exc).__name__}: {exc}"],
+            "traceback": traceback.format_exc(),
+        }
+    args.json_out.write_text(json.dumps(result, indent=1, default=str))
+    print(summary(result) if done_key in result else json.dumps(result, indent=1))
+    return 1 if result.get("errors") else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -411,17 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     args.json_out.parent.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger(f"rlinfer_{args.backend}").setLevel(logging.DEBUG)  # per-update timings
-    try:
-        result = run(args)
-    except Exception as exc:
-        result = {
-            "backend": args.backend,
-            "errors": [f"{type(exc).__name__}: {exc}"],
-            "traceback": traceback.format_exc(),
-        }
-    args.json_out.write_text(json.dumps(result, indent=1, default=str))
-    print(summary(result) if "gpu" in result else json.dumps(result, indent=1))
-    return 1 if result.get("errors") else 0
+    return write_outcome(args, run, summary, "gpu")
 
 
 if __name__ == "__main__":
