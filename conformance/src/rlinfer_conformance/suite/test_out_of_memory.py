@@ -29,14 +29,19 @@ __all__ = [
     "test_request_larger_than_the_kv_cache_raises_out_of_memory",
 ]
 
-#: KV bytes of one token of the kit's tiny model: K and V, float32, 2 layers, one KV head of 64
-KV_BYTES_PER_TOKEN = 2 * 4 * 2 * 64
-#: 1 MiB: 1024 tokens of the kit's tiny model
-SMALL_KV_BYTES = 1 << 20
+#: the tokens the small KV budget holds (1 MiB of the kit's tiny model in float32)
+SMALL_KV_TOKENS = 1024
 #: a context longer than that cache (the models get 4096 positions)
 LONG_CONTEXT = 2048
 #: a context the same cache holds (vLLM keeps one block of it back)
 SHORT_CONTEXT = 512
+
+
+def _small_kv_bytes(overrides: dict[str, Any]) -> int:
+    """The budget of SMALL_KV_TOKENS tokens in the engine's dtype (the kit's tiny model: K and V,
+    2 layers, one KV head of 64; the GPU runs use bfloat16, which holds twice the tokens per byte)."""
+    itemsize = 2 if overrides.get("dtype") in ("bfloat16", "float16", "half") else 4
+    return SMALL_KV_TOKENS * 2 * 2 * 64 * itemsize
 
 
 def _prompt(length: int, offset: int = 0) -> list[int]:
@@ -56,7 +61,11 @@ def rlinfer_small_kv_world(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[KitWorld]:
     """An engine of its own whose KV cache holds fewer tokens than one max_model_len request."""
-    overrides = {**rlinfer_config_overrides, "kv_cache_memory_bytes": SMALL_KV_BYTES, "max_model_len": LONG_CONTEXT}
+    overrides = {
+        **rlinfer_config_overrides,
+        "kv_cache_memory_bytes": _small_kv_bytes(rlinfer_config_overrides),
+        "max_model_len": LONG_CONTEXT,
+    }
     tmp = Path(tmp_path_factory.mktemp("rlinfer-kit-small-kv"))
     why = "a KV cache smaller than one max_model_len request"
     with own_world(
@@ -73,7 +82,11 @@ def rlinfer_short_kv_world(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[KitWorld]:
     """An engine of its own on the same tiny KV budget, with a context the cache holds."""
-    overrides = {**rlinfer_config_overrides, "kv_cache_memory_bytes": SMALL_KV_BYTES, "max_model_len": SHORT_CONTEXT}
+    overrides = {
+        **rlinfer_config_overrides,
+        "kv_cache_memory_bytes": _small_kv_bytes(rlinfer_config_overrides),
+        "max_model_len": SHORT_CONTEXT,
+    }
     tmp = Path(tmp_path_factory.mktemp("rlinfer-kit-short-kv"))
     with own_world(rlinfer_backend, overrides, rlinfer_report, tmp, "llama", "short_kv", "a tiny KV budget") as world:
         yield world
@@ -85,7 +98,7 @@ def test_request_larger_than_the_kv_cache_raises_out_of_memory(rlinfer_small_kv_
     info = world.engine.model_info
     assert info is not None
     capacity = info.kv_capacity_tokens
-    room = capacity if capacity is not None else SMALL_KV_BYTES // KV_BYTES_PER_TOKEN
+    room = capacity if capacity is not None else SMALL_KV_TOKENS
     fits = _greedy(16, 8, offset=1)
     beyond = {
         "prompt beyond the budget": _greedy(room + 8, 4),
