@@ -29,19 +29,15 @@ __all__ = [
     "test_request_larger_than_the_kv_cache_raises_out_of_memory",
 ]
 
-#: the tokens the small KV budget holds (1 MiB of the kit's tiny model in float32)
-SMALL_KV_TOKENS = 1024
-#: a context longer than that cache (the models get 4096 positions)
-LONG_CONTEXT = 2048
+#: KV bytes of one token of the kit's tiny model: K and V, float32, 2 layers, one KV head of 64
+KV_BYTES_PER_TOKEN = 2 * 4 * 2 * 64
+#: 1 MiB (EngineConfig's smallest KV budget): 1024 tokens of the kit's tiny model in float32, 2048
+#: in bfloat16 (the GPU runs)
+SMALL_KV_BYTES = 1 << 20
+#: a context longer than that cache in either dtype (the models get 4096 positions)
+LONG_CONTEXT = 4096
 #: a context the same cache holds (vLLM keeps one block of it back)
 SHORT_CONTEXT = 512
-
-
-def _small_kv_bytes(overrides: dict[str, Any]) -> int:
-    """The budget of SMALL_KV_TOKENS tokens in the engine's dtype (the kit's tiny model: K and V,
-    2 layers, one KV head of 64; the GPU runs use bfloat16, which holds twice the tokens per byte)."""
-    itemsize = 2 if overrides.get("dtype") in ("bfloat16", "float16", "half") else 4
-    return SMALL_KV_TOKENS * 2 * 2 * 64 * itemsize
 
 
 def _prompt(length: int, offset: int = 0) -> list[int]:
@@ -63,7 +59,7 @@ def rlinfer_small_kv_world(
     """An engine of its own whose KV cache holds fewer tokens than one max_model_len request."""
     overrides = {
         **rlinfer_config_overrides,
-        "kv_cache_memory_bytes": _small_kv_bytes(rlinfer_config_overrides),
+        "kv_cache_memory_bytes": SMALL_KV_BYTES,
         "max_model_len": LONG_CONTEXT,
     }
     tmp = Path(tmp_path_factory.mktemp("rlinfer-kit-small-kv"))
@@ -84,7 +80,7 @@ def rlinfer_short_kv_world(
     """An engine of its own on the same tiny KV budget, with a context the cache holds."""
     overrides = {
         **rlinfer_config_overrides,
-        "kv_cache_memory_bytes": _small_kv_bytes(rlinfer_config_overrides),
+        "kv_cache_memory_bytes": SMALL_KV_BYTES,
         "max_model_len": SHORT_CONTEXT,
     }
     tmp = Path(tmp_path_factory.mktemp("rlinfer-kit-short-kv"))
@@ -98,7 +94,7 @@ def test_request_larger_than_the_kv_cache_raises_out_of_memory(rlinfer_small_kv_
     info = world.engine.model_info
     assert info is not None
     capacity = info.kv_capacity_tokens
-    room = capacity if capacity is not None else SMALL_KV_TOKENS
+    room = capacity if capacity is not None else SMALL_KV_BYTES // KV_BYTES_PER_TOKEN
     fits = _greedy(16, 8, offset=1)
     beyond = {
         "prompt beyond the budget": _greedy(room + 8, 4),
