@@ -12,9 +12,9 @@ resumes), from the staged tensors.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from rlinfer_core.errors import RLInferError, WeightUpdateError
@@ -47,10 +47,15 @@ async def stage_source(staging_id: str, update: WeightUpdate, rpc: Rpc) -> Any:
     return await send_source(update.source, prepared, staging_rpc)
 
 
-def _typed(exc: Exception, what: str) -> Exception:
-    if isinstance(exc, RLInferError):
-        return exc
-    return WeightUpdateError(f"vLLM failed to {what}: {exc}")
+@contextlib.contextmanager
+def _failures_typed(what: str) -> Iterator[None]:
+    """An engine failure inside becomes WeightUpdateError naming ``what`` (rlinfer's errors pass)."""
+    try:
+        yield
+    except RLInferError:
+        raise
+    except Exception as exc:
+        raise WeightUpdateError(f"vLLM failed to {what}: {exc}") from exc
 
 
 class StagingHooks:
@@ -67,27 +72,19 @@ class StagingHooks:
     @hookimpl
     async def rlinfer_stage_weights(self, staging_id: str, update: WeightUpdate) -> None:
         """Copy the (validated) part into the worker's staging; generation goes on."""
-        try:
+        with _failures_typed("stage the update"):
             worker = await stage_source(staging_id, update, self._rpc)
-            logger.debug("staged under %s: %s", staging_id, worker)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            raise _typed(exc, "stage the update") from exc
+        logger.debug("staged under %s: %s", staging_id, worker)
 
     @hookimpl
     async def rlinfer_commit_staged_weights(self, staging_id: str, version: int) -> None:
         """Load the staged tensors while the scheduler is paused; tokens after it are ``version``."""
-        try:
+        with _failures_typed("load the staged update"):
             async with self._paused_for_load():
                 worker = await self._rpc("rlinfer_commit_staged", staging_id)
                 assert self._versions is not None
                 self._versions.version = version
-            logger.debug("committed %s: %s", staging_id, worker)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            raise _typed(exc, "load the staged update") from exc
+        logger.debug("committed %s: %s", staging_id, worker)
 
     @hookimpl
     async def rlinfer_cancel_staged_weights(self, staging_id: str) -> None:
@@ -124,25 +121,17 @@ class ServerStagingHooks:
     @hookimpl
     async def rlinfer_stage_weights(self, staging_id: str, update: WeightUpdate) -> None:
         """Copy the (validated) part into the worker's staging through the server; generation goes on."""
-        try:
+        with _failures_typed("stage the update"):
             await stage_source(staging_id, update, self._server_rpc(self._alive()))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            raise _typed(exc, "stage the update") from exc
 
     @hookimpl
     async def rlinfer_commit_staged_weights(self, staging_id: str, version: int) -> None:
         """Load the staged tensors while the server's scheduler is paused, then label the version."""
-        try:
+        with _failures_typed("load the staged update"):
             async with self._paused_for_load() as http:
                 await self._server_rpc(http)("rlinfer_commit_staged", staging_id)
                 await self._label_version(http, version)
                 self.version = version
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            raise _typed(exc, "load the staged update") from exc
 
     @hookimpl
     async def rlinfer_cancel_staged_weights(self, staging_id: str) -> None:
