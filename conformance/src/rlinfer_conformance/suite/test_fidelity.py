@@ -3,18 +3,17 @@ processors, logprob modes and per-token weight versions."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from rlinfer_conformance.checks import check_batch
+from rlinfer_conformance.streaming import joined, stream_in_background
 from rlinfer_conformance.world import BASE, LOGPROB_TOLERANCE, OP_TIMEOUT_S, OTHER, KitWorld
 from rlinfer_core.types import (
     Capability,
     Completion,
-    CompletionDelta,
     FinishReason,
     GenerateRequest,
     LogprobsMode,
@@ -187,42 +186,6 @@ def test_logprobs_modes_match_oracle(rlinfer_base_weights: KitWorld, sampling: d
     _check(world, f"logprobs_{mode.value}_{sorted(sampling.items())}", requests, completions)
 
 
-def _stream_long(world: KitWorld, max_tokens: int) -> tuple[GenerateRequest, threading.Event, Any]:
-    request = GenerateRequest(
-        prompt_token_ids=world.prompts()[0],
-        sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
-        request_id=world.request_id("versions"),
-    )
-    first = threading.Event()
-
-    def consume() -> list[CompletionDelta]:
-        deltas = []
-        for delta in world.engine.stream(request):
-            deltas.append(delta)
-            if delta.token_ids:
-                first.set()
-        return deltas
-
-    return request, first, world.submit(consume)
-
-
-def _joined(request: GenerateRequest, deltas: list[CompletionDelta]) -> Completion:
-    tokens = tuple(t for d in deltas for t in d.token_ids)
-    versions = tuple(v for d in deltas for v in (d.token_versions or ()))
-    assert len(versions) == len(tokens), "every streamed token carries its weight version"
-    assert request.prompt_token_ids is not None
-    return Completion(
-        request_id=request.request_id,
-        index=0,
-        prompt_token_ids=request.prompt_token_ids,
-        token_ids=tokens,
-        logprobs=tuple(x for d in deltas for x in d.logprobs),
-        finish_reason=deltas[-1].finish_reason or FinishReason.ABORT,
-        token_versions=versions,
-        weight_version=deltas[-1].weight_version,
-    )
-
-
 def _computed_before(world: KitWorld, request: GenerateRequest, completion: Completion, old: int) -> bool:
     """True when every token carries the old version and matches the old weights: the engine
     computed the whole request before the update, though the consumer may still have read it (a
@@ -276,7 +239,7 @@ def test_token_versions_across_pause_keep_update(rlinfer_base_weights: KitWorld)
     engine = world.engine
 
     def attempt() -> _Switch | None:
-        request, first, future = _stream_long(world, max_tokens=world.max_model_len - 40)
+        request, first, future = stream_in_background(world, "versions")
         assert first.wait(OP_TIMEOUT_S), "the request produced no token"
         old = engine.weight_version
         engine.pause(PauseMode.KEEP)
@@ -288,7 +251,7 @@ def test_token_versions_across_pause_keep_update(rlinfer_base_weights: KitWorld)
             new = world.update(Capability.WEIGHTS_TENSORS, OTHER)
         finally:
             engine.resume()
-        completion = _joined(request, future.result(timeout=OP_TIMEOUT_S))
+        completion = joined(request, future.result(timeout=OP_TIMEOUT_S))
         assert completion.finish_reason is FinishReason.LENGTH
         if not in_flight:
             assert set(completion.token_versions or ()) == {old}, "a request that ended before the update is all old"
@@ -305,12 +268,12 @@ def test_token_versions_across_unpaused_update(rlinfer_base_weights: KitWorld) -
     engine = world.engine
 
     def attempt() -> _Switch | None:
-        request, first, future = _stream_long(world, max_tokens=world.max_model_len - 40)
+        request, first, future = stream_in_background(world, "versions")
         assert first.wait(OP_TIMEOUT_S), "the request produced no token"
         old = engine.weight_version
         new = world.update(Capability.WEIGHTS_TENSORS, OTHER)
         in_flight = request.request_id in engine.in_flight
-        completion = _joined(request, future.result(timeout=OP_TIMEOUT_S))
+        completion = joined(request, future.result(timeout=OP_TIMEOUT_S))
         if not in_flight and set(completion.token_versions or ()) == {old}:
             return None  # the request finished before the update was loaded
         if _computed_before(world, request, completion, old):

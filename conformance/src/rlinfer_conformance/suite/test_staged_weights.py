@@ -8,7 +8,6 @@ the staged bytes are bounded (``EngineConfig.max_staged_weight_bytes``).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -16,10 +15,11 @@ from typing import Any
 import attrs
 import pytest
 
+from rlinfer_conformance.streaming import joined, stream_in_background
 from rlinfer_conformance.world import BASE, LOGPROB_TOLERANCE, OP_TIMEOUT_S, OTHER, SMALL_BUCKET_BYTES, KitWorld
 from rlinfer_core.errors import StagingLimitExceeded, WeightStagingError, WeightUpdateError
 from rlinfer_core.staging import StagingState, WeightStaging
-from rlinfer_core.types import Capability, Completion, CompletionDelta, FinishReason, GenerateRequest, SamplingParams
+from rlinfer_core.types import Capability, FinishReason
 from rlinfer_core.weights import Buckets, NamedTensors, WeightSource
 
 __all__ = [
@@ -32,43 +32,6 @@ __all__ = [
 HOOKS = ("rlinfer_stage_weights", "rlinfer_commit_staged_weights", "rlinfer_cancel_staged_weights")
 #: tries for a request to be still in flight when staging returns (a loaded machine may finish it first)
 IN_FLIGHT_TRIES = 5
-
-
-def _stream_in_background(world: KitWorld) -> tuple[GenerateRequest, threading.Event, Any]:
-    """A long greedy request streamed in a helper thread; the event is set at its first token."""
-    request = GenerateRequest(
-        prompt_token_ids=world.prompts()[0],
-        sampling=SamplingParams(temperature=0.0, max_tokens=world.max_model_len - 40, ignore_eos=True),
-        request_id=world.request_id("staged"),
-    )
-    first = threading.Event()
-
-    def consume() -> list[CompletionDelta]:
-        deltas = []
-        for delta in world.engine.stream(request):
-            deltas.append(delta)
-            if delta.token_ids:
-                first.set()
-        return deltas
-
-    return request, first, world.submit(consume)
-
-
-def _joined(request: GenerateRequest, deltas: list[CompletionDelta]) -> Completion:
-    assert request.prompt_token_ids is not None
-    tokens = tuple(t for d in deltas for t in d.token_ids)
-    versions = tuple(v for d in deltas for v in (d.token_versions or ()))
-    assert len(versions) == len(tokens), "every streamed token carries its weight version"
-    return Completion(
-        request_id=request.request_id,
-        index=0,
-        prompt_token_ids=request.prompt_token_ids,
-        token_ids=tokens,
-        logprobs=tuple(x for d in deltas for x in d.logprobs),
-        finish_reason=deltas[-1].finish_reason or FinishReason.ABORT,
-        token_versions=versions,
-        weight_version=deltas[-1].weight_version,
-    )
 
 
 def _commit(world: KitWorld, staging: WeightStaging, key: str) -> int:
@@ -92,11 +55,11 @@ def test_staged_update_commits_while_requests_run_on_the_old_weights(rlinfer_bas
     engine = world.engine
     old = engine.weight_version
     for _ in range(IN_FLIGHT_TRIES):
-        request, first, future = _stream_in_background(world)
+        request, first, future = stream_in_background(world, "staged")
         assert first.wait(OP_TIMEOUT_S), "the request produced no token"
         staging = engine.stage_weights(world.source(Capability.WEIGHTS_TENSORS, OTHER))
         in_flight = request.request_id in engine.in_flight  # staging did not wait for it to end
-        completion = _joined(request, future.result(timeout=OP_TIMEOUT_S))
+        completion = joined(request, future.result(timeout=OP_TIMEOUT_S))
         assert completion.finish_reason is FinishReason.LENGTH
         # staged, not live: every token of the request came from the old weights
         assert set(completion.token_versions or ()) == {old} and completion.weight_version == old
