@@ -79,6 +79,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "rlinfer_core.tiny_model.ARCHITECTURES); others are deselected",
     )
     group.addoption(
+        "--rlinfer-trainer-device",
+        default=None,
+        metavar="DEVICE",
+        help="where the kit's trainer holds the weights it sends (default cpu); e.g. cuda:1: tensor and "
+        "bucket updates then go through CUDA IPC, which each of them asserts",
+    )
+    group.addoption(
+        "--rlinfer-broadcast-backend",
+        default=None,
+        choices=("gloo", "nccl"),
+        help="the kit's weight broadcast group (default gloo); nccl needs --rlinfer-trainer-device on a GPU "
+        "other than the engine's",
+    )
+    group.addoption(
         "--rlinfer-profile",
         default=os.environ.get("RLINFER_HYPOTHESIS_PROFILE", "ci"),
         choices=PROFILES,
@@ -94,6 +108,14 @@ def pytest_configure(config: pytest.Config) -> None:
     tolerance = config.getoption("--rlinfer-logprob-tol")
     if tolerance is not None:
         os.environ["RLINFER_LOGPROB_TOL"] = str(float(tolerance))  # read by rlinfer_conformance.world
+    from rlinfer_conformance import trainer_side
+
+    for option, variable in (
+        ("--rlinfer-trainer-device", trainer_side.DEVICE_ENV),
+        ("--rlinfer-broadcast-backend", trainer_side.BROADCAST_BACKEND_ENV),
+    ):
+        if config.getoption(option) is not None:
+            os.environ[variable] = str(config.getoption(option))  # read by rlinfer_conformance.trainer_side
     backend = config.getoption("--rlinfer-backend")
     if backend:
         import tempfile
@@ -244,7 +266,7 @@ def rlinfer_world(
     rlinfer_report.capabilities = caps.to_dict()
     rlinfer_report.engine_version = caps.engine_version
     rlinfer_report.engine_platform = caps.platform
-    world = KitWorld(engine, oracle, rlinfer_report, events, Path(tmp))
+    world = KitWorld(engine, oracle, rlinfer_report, events, Path(tmp), pooled=replicas > 1)
     try:
         yield world
     finally:

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from rlinfer_conformance import trainer_side
 from rlinfer_conformance.oracle import Oracle, Parity
 from rlinfer_conformance.report import KitReport
 from rlinfer_core.hookspecs import hookimpl
@@ -35,6 +36,8 @@ OTHER = "seed1"
 
 #: transports that a weight update can use without a broadcast group
 LOCAL_TRANSPORTS = (Capability.WEIGHTS_TENSORS, Capability.WEIGHTS_BUCKETS, Capability.WEIGHTS_DISK)
+#: transports whose tensors live on the trainer's device (so CUDA IPC with a GPU trainer)
+CUDA_IPC_TRANSPORTS = (Capability.WEIGHTS_TENSORS, Capability.WEIGHTS_BUCKETS)
 
 
 class EventRecorder:
@@ -177,8 +180,14 @@ class KitWorld:
         events: EventRecorder,
         tmp: Path,
         architecture: str = "llama",
+        *,
+        pooled: bool = False,
     ) -> None:
         self.engine = engine
+        #: the engine is a pool: sent tensors reach the replicas through Ray, not CUDA IPC
+        self.pooled = pooled
+        #: CUDA IPC handles handed out by the kit's updates so far (a CUDA trainer device only)
+        self.cuda_ipc_handles = 0
         self.architecture = architecture
         self.oracle = oracle
         self.report = report
@@ -294,6 +303,8 @@ class KitWorld:
     def source(self, transport: Capability, key: str) -> WeightSource:
         """A full weight source for oracle model ``key`` over ``transport``."""
         tensors = self.oracle.named_parameters(key)
+        if transport in CUDA_IPC_TRANSPORTS:
+            tensors = trainer_side.to_trainer(tensors)
         if transport is Capability.WEIGHTS_TENSORS:
             return NamedTensors.of(tensors)
         if transport is Capability.WEIGHTS_BUCKETS:
@@ -315,6 +326,15 @@ class KitWorld:
         started = time.perf_counter()
         if transport is Capability.WEIGHTS_BROADCAST:
             version = self.broadcast_update(key)
+        elif transport in CUDA_IPC_TRANSPORTS and trainer_side.on_gpu() and not self.pooled:
+            source = self.source(transport, key)
+            with trainer_side.counting_cuda_ipc_handles() as handles:
+                version = self.engine.update_weights(source)
+            assert handles() > 0, (
+                f"{transport.value}: the trainer's tensors are on {trainer_side.device()}, but no CUDA IPC "
+                "handle was handed out: they reached the engine some other way"
+            )
+            self.cuda_ipc_handles += handles()
         else:
             version = self.engine.update_weights(self.source(transport, key))
         name = f"update_{transport.value.removeprefix('weights.')}"
@@ -336,17 +356,20 @@ class KitWorld:
         )
 
     def broadcast_update(self, key: str) -> int:
-        """Send model ``key`` through a fresh gloo group (trainer side is rlinfer_core's)."""
+        """Send model ``key`` through a fresh group (trainer side is rlinfer_core's): gloo from
+        CPU tensors, or NCCL from the trainer's GPU (``--rlinfer-broadcast-backend``)."""
         from rlinfer_core.transfer.broadcast import WeightBroadcaster, free_port
         from rlinfer_core.weights import BroadcastGroup
 
         ranks = 1 + self.engine.broadcast_ranks  # trainer + every engine rank (TP workers, pool replicas)
-        group = BroadcastGroup("127.0.0.1", free_port(), world_size=ranks, backend="gloo", timeout_s=60.0)
+        backend = trainer_side.broadcast_backend()
+        group = BroadcastGroup("127.0.0.1", free_port(), world_size=ranks, backend=backend, timeout_s=60.0)
         joined = self.submit(self.engine.init_weight_broadcast, group)
+        trainer_side.use_trainer_device()
         sender = WeightBroadcaster(group)
         try:
             joined.result(timeout=OP_TIMEOUT_S)
-            tensors = self.engine.checkpoint_names(self.oracle.named_parameters(key))
+            tensors = self.engine.checkpoint_names(trainer_side.to_trainer(self.oracle.named_parameters(key)))
             pending = self.submit(self.engine.update_weights, sender.source(tensors))
             sender.send(tensors)
             return pending.result(timeout=OP_TIMEOUT_S)

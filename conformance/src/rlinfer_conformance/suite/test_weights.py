@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from rlinfer_conformance.world import BASE, LOGPROB_TOLERANCE, OTHER, KitWorld
+from rlinfer_conformance import trainer_side
+from rlinfer_conformance.world import BASE, CUDA_IPC_TRANSPORTS, LOGPROB_TOLERANCE, OTHER, KitWorld
 from rlinfer_core.errors import WeightUpdateError
 from rlinfer_core.types import Capability, Completion, MemoryTag
 from rlinfer_core.weights import Bucket, BucketManifest, Buckets, CheckpointDir, NamedTensors
@@ -18,6 +19,7 @@ __all__ = [
     "test_explicit_versions",
     "test_bad_weight_update_keeps_old_weights",
     "test_bench_raw_weight_update",
+    "test_gpu_tensors_reach_the_engine_through_cuda_ipc",
 ]
 
 ALL_TRANSPORTS = (
@@ -84,6 +86,24 @@ def test_explicit_versions(rlinfer_base_weights: KitWorld) -> None:
     assert engine.weight_version == start + 5
     (c,) = world.generate(world.greedy_requests(max_tokens=2)[:1])
     assert c.weight_version == start + 5
+
+
+@pytest.mark.parametrize(
+    "transport",
+    [pytest.param(t, marks=pytest.mark.requires(t), id=t.value) for t in CUDA_IPC_TRANSPORTS],
+)
+def test_gpu_tensors_reach_the_engine_through_cuda_ipc(rlinfer_base_weights: KitWorld, transport: Capability) -> None:
+    world = rlinfer_base_weights
+    if not trainer_side.on_gpu():
+        pytest.skip("the kit's trainer holds CPU tensors; --rlinfer-trainer-device cuda[:N] runs this on a GPU")
+    if world.pooled:
+        pytest.skip("a pool's replicas receive tensors through Ray, not CUDA IPC from this process")
+    before = world.cuda_ipc_handles
+    world.update(transport, OTHER)  # asserts that this update handed out CUDA IPC handles
+    world.generate_and_check(f"after_cuda_ipc_{transport.value.removeprefix('weights.')}")
+    shared = world.cuda_ipc_handles - before
+    assert shared > 0
+    world.report.notes.append(f"{transport.value} from {trainer_side.device()}: {shared} CUDA IPC handles")
 
 
 # --- fault matrix: each case builds a bad update of the SECOND model (so a partial load would
