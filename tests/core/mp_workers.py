@@ -31,3 +31,18 @@ def broadcast_child(group: Any, specs: Any, results: Any) -> None:
         destroy_group(pg)
     except BaseException as exc:
         results.put(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def silent_rank_child(group: Any, results: Any) -> None:
+    """Join the weight group as rank 1, then never take part in a broadcast (an engine rank
+    that hangs)."""
+    import time
+
+    from rlinfer_core.transfer.broadcast import create_group
+
+    try:
+        create_group(group, rank=1)
+        results.put(("ok", "joined"))
+        time.sleep(60)
+    except BaseException as exc:
+        results.put(("error", f"{type(exc).__name__}: {exc}"))

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import queue
+import time
 from typing import Any
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from mp_workers import broadcast_child, ipc_child
+from mp_workers import broadcast_child, ipc_child, silent_rank_child
 
+from rlinfer_core.errors import EngineTimeout
 from rlinfer_core.transfer.broadcast import WeightBroadcaster, free_port
 from rlinfer_core.transfer.ipc import dumps
 from rlinfer_core.weights import BroadcastGroup
@@ -78,3 +80,17 @@ def test_broadcast_rank0_to_spawned_rank1_over_gloo() -> None:
     finally:
         sender.close()
     assert received == _expected(tensors)
+
+
+def test_broadcast_to_a_rank_that_never_receives_times_out() -> None:
+    group = BroadcastGroup("127.0.0.1", free_port(), world_size=2, backend="gloo", timeout_s=3.0)
+    proc, results = _run_child(silent_rank_child, group)
+    sender = WeightBroadcaster(group)  # blocks until the child joined
+    try:
+        assert results.get(timeout=CHILD_TIMEOUT_S) == ("ok", "joined")
+        started = time.monotonic()
+        with pytest.raises(EngineTimeout, match="did not take the trainer's broadcast"):
+            sender.send([("big", torch.zeros(64 << 20, dtype=torch.uint8))])
+        assert time.monotonic() - started < 30
+    finally:
+        proc.kill()

@@ -81,12 +81,20 @@ class WeightBroadcaster:
         return BroadcastSource(specs_of(tensors))
 
     def send(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
-        """Broadcast every tensor, in order (must match the BroadcastSource given to the engine)."""
+        """Broadcast every tensor, in order (must match the BroadcastSource given to the engine).
+
+        Raises :class:`~rlinfer_core.errors.EngineTimeout` when the broadcast has not completed
+        within the group's ``timeout_s`` (e.g. an engine rank that never joined the NCCL
+        communicator); the group is then unusable: close it and build a new one.
+        """
+        import time
+
         import torch.distributed as dist
 
+        deadline = time.monotonic() + self.group.timeout_s
         works = [dist.broadcast(t.detach().contiguous(), src=0, group=self._pg, async_op=True) for _, t in tensors]
         for work in works:
-            work.wait()
+            wait_until(work, deadline, "the engine's ranks did not take the trainer's broadcast")
 
     def close(self) -> None:
         """Destroy the group."""
@@ -107,6 +115,21 @@ def receive(pg: Any, specs: Sequence[TensorSpec], device: str | torch.device = "
     return out
 
 
+def wait_until(work: Any, deadline: float, what: str) -> None:
+    """Wait for a torch.distributed ``work`` until ``deadline`` (``time.monotonic()``)."""
+    import time
+
+    from rlinfer_core.errors import EngineTimeout
+
+    remaining = max(deadline - time.monotonic(), 0.001)
+    try:
+        completed = work.wait(timeout=datetime.timedelta(seconds=remaining))
+    except RuntimeError as exc:
+        raise EngineTimeout(f"{what} before the deadline ({exc})") from exc
+    if completed is False:  # gloo answers False on a timeout instead of raising
+        raise EngineTimeout(f"{what} before the deadline")
+
+
 class GroupReceiver:
     """A non-zero rank of a torch.distributed weight group, as a
     :class:`~rlinfer_core.transfer.vllm_wire.Receiver` (CPU tensors: the gloo variant)."""
@@ -123,18 +146,10 @@ class GroupReceiver:
 
     def receive_into(self, tensor: torch.Tensor, deadline: float) -> None:
         """Fill ``tensor`` from rank 0's next broadcast, waiting at most until ``deadline``."""
-        import time
-
         import torch.distributed as dist
 
-        from rlinfer_core.errors import EngineTimeout
-
         work = dist.broadcast(tensor, src=0, group=self._pg, async_op=True)
-        remaining = max(deadline - time.monotonic(), 0.001)
-        try:
-            work.wait(timeout=datetime.timedelta(seconds=remaining))
-        except RuntimeError as exc:
-            raise EngineTimeout(f"the trainer's broadcast did not arrive before the deadline ({exc})") from exc
+        wait_until(work, deadline, "the trainer's broadcast did not arrive")
 
     def close(self) -> None:
         """Destroy the group."""
