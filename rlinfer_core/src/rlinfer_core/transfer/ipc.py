@@ -49,13 +49,18 @@ def loads(payload: bytes) -> list[tuple[str, torch.Tensor]]:
     return result
 
 
-def pack_cuda(tensors: Sequence[tuple[str, torch.Tensor]]) -> list[Bucket] | None:
+def pack_cuda(tensors: Sequence[tuple[str, torch.Tensor]], visible_gpus: int | None = None) -> list[Bucket] | None:
     """Pack CUDA tensors into per-dtype buckets (no checksum); None if any tensor is not on CUDA.
 
     The receiver maps one CUDA-IPC handle per *allocation*, and opening one is a driver call
     that costs far more than copying a tensor on the GPU; a trainer's state dict is hundreds of
     separate allocations. Packing costs one device-to-device copy of the update and a transient
     buffer of its size on the sender's GPU.
+
+    ``visible_gpus``: the receiver sees only this process's GPUs ``0 .. visible_gpus - 1`` (vLLM
+    gives its engine process only the engine's GPUs), and a handle to memory on another GPU
+    cannot be opened there: tensors on another GPU are packed onto GPU 0 (a peer-to-peer copy
+    instead of the local one).
     """
     if not tensors or any(t.device.type != "cuda" for _, t in tensors):
         return None
@@ -63,10 +68,12 @@ def pack_cuda(tensors: Sequence[tuple[str, torch.Tensor]]) -> list[Bucket] | Non
 
     from rlinfer_core.transfer.buckets import pack
 
-    buckets = pack(tensors, CUDA_BUCKET_BYTES, with_checksum=False)
+    elsewhere = visible_gpus is not None and any((t.device.index or 0) >= visible_gpus for _, t in tensors)
+    target = torch.device("cuda", 0) if elsewhere else None
+    buckets = pack(tensors, CUDA_BUCKET_BYTES, with_checksum=False, device=target)
     # The receiver waits for the sender's stream only when it opens a handle for the first time;
     # a bucket reusing a block it mapped before (the allocator hands the same block out again)
     # would be read while the packing copies may still run: finish them before sharing.
-    for device in {t.device for _, t in tensors}:
+    for device in {t.device for _, t in tensors} | ({target} if target is not None else set()):
         torch.cuda.synchronize(device)
     return buckets
