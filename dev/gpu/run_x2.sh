@@ -12,6 +12,9 @@
 #   trl-sync TRL's VLLMClient weight sync (NCCL, packed) into `rlinfer serve --dialect vllm` and
 #            vLLM's own server (RLINFER_TRL_SERVERS), oracle parity after each update
 #                                                            -> $OUT/trl-sync-S.json, .server.log
+#   gpu-paths the kit's weight tests with the trainer's tensors on GPU 1 (CUDA IPC asserted) and
+#            an NCCL broadcast group from GPU 1 into the engine on GPU 0, for every installed
+#            engine side by side (RLINFER_X2_ENGINES)        -> $OUT/conformance-E.{json,log}
 #   pool     pool_scaling_bench.py: 2 replicas (one GPU each) vs 1, generate scaling (goal >= 1.9x)
 #            and weight sync to 2 vs 1 (goal <= 1.2x), by tensors and disk  -> $OUT/pool-E.{json,log}
 # Environment: RLINFER_X2_ENGINES (tp-kit: default every installed engine), RLINFER_X2_SPLIT,
@@ -28,7 +31,7 @@ mkdir -p "$OUT"
 SITES=${GPU_SITE_ROOT:-/tmp}
 MODEL=${RLINFER_GPU_MODEL:-/tmp/rlinfer_model}
 export RLINFER_GPU_TIMEOUT=${RLINFER_GPU_TIMEOUT:-540}
-[ $# -gt 0 ] || { echo "usage: run_x2.sh setup|tp-kit|pool|trl-sync ..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: run_x2.sh setup|tp-kit|gpu-paths|pool|trl-sync ..." >&2; exit 2; }
 rc=0
 
 installed() { [ -f "$SITES/$1_site/.installed" ]; }
@@ -127,6 +130,17 @@ for s in "$@"; do
       done
       summary "$OUT"/tp2*.json
       ;;
+    gpu-paths)
+      pids=()
+      for e in $(engines); do
+        RLINFER_GPU_KIT_SELECT="test_update_to_second_model or test_gpu_tensors_reach or test_transports_give_identical" \
+          RLINFER_GPU_PYTEST_ARGS="--rlinfer-trainer-device cuda:1 --rlinfer-broadcast-backend nccl --rlinfer-architectures llama -v" \
+          bash "$HERE/run_suite.sh" "$e" conformance > /dev/null 2>&1 &
+        pids+=($!)
+      done
+      for p in "${pids[@]}"; do wait "$p" || rc=1; done
+      summary "$OUT"/conformance-*.json
+      ;;
     pool)
       e=${RLINFER_X2_POOL_ENGINE:-vllm}
       if ! installed ray; then
@@ -157,7 +171,7 @@ for s in "$@"; do
       done
       ;;
     *)
-      echo "run_x2: unknown step '$s' (setup, tp-kit, pool, trl-sync)" >&2
+      echo "run_x2: unknown step '$s' (setup, tp-kit, gpu-paths, pool, trl-sync)" >&2
       rc=2
       ;;
   esac
