@@ -139,7 +139,7 @@ RECIPES = {
             ),
         ],
     ),
-    # Ray for rlinfer-ray's EnginePool (the image has none). Its own site dir (/tmp/ray_site),
+    # Ray for rlinfer-ray's pool (the image has none). Its own site dir (/tmp/ray_site),
     # next to either engine's. A local ``ray.init(include_dashboard=False)`` + actors + placement
     # groups need ray/_raylet.so, ray/core (gcs_server, raylet), ray/_private (incl. the runtime-env
     # agent and its vendored aiohttp), ray/dashboard's Python (the per-node dashboard agent the

@@ -77,6 +77,12 @@ def test_derived_capabilities() -> None:
     with_prompt = derive_capabilities(attrs.evolve(bare, supported={Capability.PROMPT_LOGPROBS}))
     assert {Capability.SESSIONS, Capability.SCORE} <= with_prompt.supported
     assert "prompt_logprobs" in with_prompt.notes["score"]
+    turned_off = attrs.evolve(
+        bare, supported={Capability.WEIGHTS_TENSORS}, notes={"weights.delta": "the backend cannot replay one"}
+    )
+    assert Capability.WEIGHTS_DELTA in derive_capabilities(attrs.evolve(turned_off, notes={})).supported
+    assert Capability.WEIGHTS_DELTA not in derive_capabilities(turned_off).supported
+    assert derive_capabilities(turned_off).notes["weights.delta"] == "the backend cannot replay one"
 
 
 def test_chat_session_three_turns_with_tool_results(tiny: Path) -> None:

@@ -7,7 +7,8 @@ hookspec's (not a copy), and the protocols split required from optional hooks ex
 hookspecs' ``optional`` markers do. The facade reaches every operation hook, and every optional
 one only through ``_optional`` / ``_implemented`` with a protocol member (no dispatch by name).
 ``rlinfer serve``'s ServedEngine protocol states a part of the facade's surface, checked against
-AsyncEngine and the pool. New hookspecs are picked up without a change here.
+AsyncEngine (a pool is that facade over rlinfer_ray's PoolBackend, which has every operation
+hook). New hookspecs are picked up without a change here.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import pytest
-from test_sync_surface import _import_pool, instance_attributes
+from test_sync_surface import import_pool_backend, instance_attributes
 
 from rlinfer_core import hookspecs
 from rlinfer_core.backend import OPTIONAL, Backend, FullBackend, LoraBackend, ToolsBackend, optional_hook
@@ -326,11 +327,17 @@ def test_servedengine_states_the_facades_surface_as_it_is() -> None:
     assert served_problems(ServedEngine, AsyncEngine) == []
 
 
-def test_servedengine_states_the_pools_surface_as_it_is() -> None:
-    from rlinfer_server.app import ServedEngine
-
-    engine_pool, _ = _import_pool()
-    assert served_problems(ServedEngine, engine_pool) == []
+def test_the_pool_is_a_backend_with_every_operation_hook() -> None:
+    """A pool is served as the facade over rlinfer_ray's PoolBackend: its hooks are the hookspecs'."""
+    pool = import_pool_backend()
+    problems = [
+        f"PoolBackend.{name}{inspect.signature(getattr(pool, name, None) or (lambda: None))}"
+        for name in _members_of_all(FullBackend)
+        if not callable(getattr(pool, name, None))
+        or list(inspect.signature(getattr(pool, name)).parameters)
+        != list(inspect.signature(getattr(FullBackend, name)).parameters)
+    ]
+    assert problems == []
 
 
 def test_the_served_check_catches_a_broken_statement() -> None:

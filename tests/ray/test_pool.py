@@ -1,4 +1,5 @@
-"""EnginePool against real engines on a local Ray cluster: routing, fan-out, faults.
+"""The pool (an Engine over a PoolBackend) against real engines on a local Ray cluster: routing,
+fan-out, faults.
 
 Every test leaves the pool serving the base weights with both replicas up.
 """
@@ -19,6 +20,7 @@ from rlinfer_core.errors import EngineDead, WeightUpdateError
 from rlinfer_core.types import FinishReason, GenerateRequest, SamplingParams
 from rlinfer_core.weights import NamedTensors
 from rlinfer_ray.config import RouterPolicy
+from rlinfer_ray.pool import pool_backend
 from rlinfer_ray.router import Router
 
 #: a replica killed on this CPU machine is back (new engine, weights re-synced) within this; the
@@ -33,7 +35,7 @@ def _greedy(prompts: list[list[int]], max_tokens: int = 8) -> list[GenerateReque
 
 
 def _served(pool: Any) -> list[int]:
-    return [r.served for r in pool.pool.replicas.replicas]
+    return [r.served for r in pool_backend(pool).replicas.replicas]
 
 
 def _tensors(model_dir: Path) -> list[tuple[str, Any]]:
@@ -46,7 +48,7 @@ def _tensors(model_dir: Path) -> list[tuple[str, Any]]:
 
 
 def _kill_actor(pool: Any, index: int) -> None:
-    pid = pool.pool.replicas.replicas[index].pid
+    pid = pool_backend(pool).replicas.replicas[index].pid
     assert pid is not None
     os.kill(pid, signal.SIGKILL)
 
@@ -55,19 +57,19 @@ def _outputs_per_replica(pool: Any) -> list[list[tuple[int, ...]]]:
     """Greedy tokens of three prompts on replica 0 and on replica 1: a fresh round-robin router
     sends batch positions 0, 2, 4 to one replica and 1, 3, 5 to the other, so prompt i (at i and
     i + 3) runs once on each."""
-    saved = pool.pool.router
-    pool.pool.router = Router(RouterPolicy.ROUND_ROBIN)
+    saved = pool_backend(pool).router
+    pool_backend(pool).router = Router(RouterPolicy.ROUND_ROBIN)
     try:
         out = pool.generate(_greedy(PROMPTS[:3] * 2))
     finally:
-        pool.pool.router = saved
+        pool_backend(pool).router = saved
     tokens = [c.token_ids for c in out]
     return [tokens[:3], tokens[3:]]
 
 
 def test_pool_reports_the_backend(pool: Any) -> None:
     assert pool.backend_name == pool.capabilities.backend
-    assert pool.replica_states() == ["serving", "serving"]
+    assert pool_backend(pool).replica_states() == ["serving", "serving"]
     procs = pool.engine_processes()
     assert {"replica0.actor", "replica1.actor"} <= set(procs)
     assert len(procs) > 2, f"engine processes of the replicas are listed: {procs}"
@@ -105,23 +107,25 @@ def test_seeded_group_is_reproducible_across_replicas(pool: Any) -> None:
 
 
 def test_session_affinity_with_bounded_load(pool: Any) -> None:
-    saved = pool.pool.router
-    pool.pool.router = Router(RouterPolicy.SESSION, load_factor=1.25)
+    saved = pool_backend(pool).router
+    pool_backend(pool).router = Router(RouterPolicy.SESSION, load_factor=1.25)
     try:
         before = _served(pool)
         for _ in range(4):
-            pool.generate(_greedy(PROMPTS[:1]), session="user-1")
+            with pool_backend(pool).session("user-1"):
+                pool.generate(_greedy(PROMPTS[:1]))
         after = _served(pool)
         moved = [a - b for a, b in zip(after, before, strict=True)]
         assert sorted(moved) == [0, 4], f"one session stays on one replica: {moved}"
         before = after
         group = GenerateRequest(prompt_token_ids=[3, 4], sampling=SamplingParams(max_tokens=4, n=8))
-        out = pool.generate(group, session="user-1")
+        with pool_backend(pool).session("user-1"):
+            out = pool.generate(group)
         after = _served(pool)
         assert [c.index for c in out] == list(range(8))
         assert all(a > b for a, b in zip(after, before, strict=True)), "a hot group spills over (bounded load)"
     finally:
-        pool.pool.router = saved
+        pool_backend(pool).router = saved
 
 
 def test_bad_update_touches_no_replica(pool: Any, model_dirs: dict[str, Path]) -> None:
@@ -132,7 +136,7 @@ def test_bad_update_touches_no_replica(pool: Any, model_dirs: dict[str, Path]) -
     with pytest.raises(WeightUpdateError):
         pool.update_weights(NamedTensors.of(poisoned))
     assert pool.weight_version == version
-    assert [r.version for r in pool.pool.replicas.replicas] == [version, version]
+    assert [r.version for r in pool_backend(pool).replicas.replicas] == [version, version]
     assert _outputs_per_replica(pool) == before
 
 
@@ -140,21 +144,21 @@ def test_update_with_one_replica_failing_its_load(pool: Any, model_dirs: dict[st
     base = _outputs_per_replica(pool)
     version = pool.weight_version
     # a real failure: replica 1's engine process dies, so its load fails (the actor survives)
-    victim = pool.pool.replicas.replicas[1]
+    victim = pool_backend(pool).replicas.replicas[1]
     for pid, _ in victim.procs:
         os.kill(pid, signal.SIGKILL)
     assert victim.procs, "the replica reported its engine processes"
     new = pool.update_weights(NamedTensors.of(_tensors(model_dirs["other"])))
     assert new == version + 1 == pool.weight_version
-    assert pool.replica_states()[1] != "serving", "the failed replica left routing at once"
+    assert pool_backend(pool).replica_states()[1] != "serving", "the failed replica left routing at once"
     before = _served(pool)
     out = pool.generate(_greedy(PROMPTS))
     assert _served(pool)[1] == before[1], "nothing is routed to the failed replica"
     assert all(set(c.token_versions) == {new} for c in out)
     started = time.monotonic()
-    pool.wait_ready(RESTART_BOUND_S)
+    pool_backend(pool).wait_ready_blocking(RESTART_BOUND_S)
     print(f"replica restart + re-sync: {time.monotonic() - started:.1f} s")
-    assert [r.version for r in pool.pool.replicas.replicas] == [new, new]
+    assert [r.version for r in pool_backend(pool).replicas.replicas] == [new, new]
     runs = _outputs_per_replica(pool)
     assert runs[0] == runs[1] != base[0], "both replicas serve the new weights"
     pool.update_weights(NamedTensors.of(_tensors(model_dirs["base"])))
@@ -183,7 +187,7 @@ def test_one_broadcast_reaches_every_replica(pool: Any, model_dirs: dict[str, Pa
     runs = _outputs_per_replica(pool)
     assert runs[0] == runs[1] != base[0]
     pool.update_weights(NamedTensors.of(_tensors(model_dirs["base"])))
-    answered = pool.pool.last_update_fanout_s
+    answered = pool_backend(pool).last_update_fanout_s
     assert sorted(answered) == [0, 1] and all(s > 0 for s in answered.values()), answered
     assert _outputs_per_replica(pool) == base
 
@@ -204,14 +208,14 @@ def _alive(pid: int) -> bool:
 
 def _wait_busy(pool: Any, index: int) -> None:
     deadline = time.monotonic() + 30
-    while pool.pool.replicas.replicas[index].load == 0:
+    while pool_backend(pool).replicas.replicas[index].load == 0:
         assert time.monotonic() < deadline, "the requests never reached the replica"
         time.sleep(0.05)
 
 
 def test_replica_killed_mid_generate_is_retried_and_restarted(pool: Any) -> None:
     requests = _long(4)
-    orphans = list(pool.pool.replicas.replicas[0].procs)
+    orphans = list(pool_backend(pool).replicas.replicas[0].procs)
     assert orphans, "the replica reported its engine processes"
     before = _served(pool)
     with concurrent.futures.ThreadPoolExecutor(1) as helper:
@@ -226,16 +230,16 @@ def test_replica_killed_mid_generate_is_retried_and_restarted(pool: Any) -> None
     assert after[1] - before[1] == 4, "replica 1 served its own two requests and the two retried from replica 0"
     assert after[0] == before[0], "nothing completed on the killed replica"
     started = time.monotonic()
-    pool.wait_ready(RESTART_BOUND_S)
+    pool_backend(pool).wait_ready_blocking(RESTART_BOUND_S)
     print(f"replica restart after a kill: {time.monotonic() - started:.1f} s")
-    assert pool.pool.replicas.replicas[0].restarts >= 1
+    assert pool_backend(pool).replicas.replicas[0].restarts >= 1
     assert not [pid for pid, _ in orphans if _alive(pid)], "the killed replica's engine processes are gone"
     assert len(pool.generate(_greedy(PROMPTS * 2))) == 8
 
 
 def test_retry_off_gives_engine_dead(pool: Any) -> None:
-    saved = pool.pool.pool_config
-    pool.pool.pool_config = attrs.evolve(saved, retry=False)
+    saved = pool_backend(pool).pool_config
+    pool_backend(pool).pool_config = attrs.evolve(saved, retry=False)
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as helper:
             future = helper.submit(pool.generate, _long(4))
@@ -244,6 +248,6 @@ def test_retry_off_gives_engine_dead(pool: Any) -> None:
             with pytest.raises(EngineDead, match="replica 1"):
                 future.result(timeout=120)
     finally:
-        pool.pool.pool_config = saved
-    pool.wait_ready(RESTART_BOUND_S)
-    assert pool.replica_states() == ["serving", "serving"]
+        pool_backend(pool).pool_config = saved
+    pool_backend(pool).wait_ready_blocking(RESTART_BOUND_S)
+    assert pool_backend(pool).replica_states() == ["serving", "serving"]

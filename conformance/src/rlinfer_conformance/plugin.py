@@ -69,7 +69,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--rlinfer-replicas",
         type=int,
         default=1,
-        help="N > 1: run the kit against an rlinfer-ray EnginePool of N replicas (needs rlinfer-ray)",
+        help="N > 1: run the kit against an rlinfer-ray pool of N replicas (needs rlinfer-ray)",
     )
     group.addoption(
         "--rlinfer-architectures",
@@ -257,7 +257,7 @@ def rlinfer_world(
     if replicas > 1:  # the same kit against an rlinfer-ray pool of engines
         from rlinfer_ray.kit import open_kit_engine
 
-        rlinfer_report.notes.append(f"engine: rlinfer-ray EnginePool of {replicas} replicas")
+        rlinfer_report.notes.append(f"engine: rlinfer-ray pool of {replicas} replicas")
         engine: Any = open_kit_engine(rlinfer_backend, config, replicas, plugins=[events])
     else:
         engine = open_engine(rlinfer_backend, config, plugins=[events])

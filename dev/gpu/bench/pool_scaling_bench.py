@@ -1,4 +1,4 @@
-"""1 replica vs N replicas of an rlinfer-ray EnginePool: generate throughput and weight-sync time.
+"""1 replica vs N replicas of an rlinfer-ray pool: generate throughput and weight-sync time.
 
 On a machine with N GPUs (``nvidia-h200-x2`` for N=2), each replica one GPU
 (``tensor_parallel_size=1``), the phases run one after the other (each needs the GPUs):
@@ -149,7 +149,7 @@ class Phase:
 
     async def open(self) -> Any:
         from rlinfer_core.engine import AsyncEngine
-        from rlinfer_ray import EnginePool, PoolConfig
+        from rlinfer_ray import PoolConfig, open_async_pool
 
         if not self.replicas:
             return await AsyncEngine.open(self.args.backend, self.config, load_entry_point_plugins=False)
@@ -158,11 +158,12 @@ class Phase:
             accelerator="gpu" if self.args.device == "cuda" else "cpu",
             cpus_per_replica=self.args.cpus_per_replica,
         )
-        return await EnginePool.open(self.args.backend, self.config, pool=pool, load_entry_point_plugins=False)
+        return await open_async_pool(self.args.backend, self.config, pool=pool, load_entry_point_plugins=False)
 
     async def run(self, sets: tuple[list[Any], list[Any], Path], model: Path) -> dict[str, Any]:
         from rlinfer_demo.bench_sides import make_batch, spread, time_generate, time_updates, with_control
         from rlinfer_demo.bench_stats import paired_report
+        from rlinfer_ray import pool_backend
 
         args = self.args
         started = time.perf_counter()
@@ -176,7 +177,8 @@ class Phase:
                 return sum(len(c.token_ids) for c in await target.generate(batch))
 
             async def one_replica(batch: list[Any]) -> int:
-                return sum(len(c.token_ids) for c in await target.bench_generate_on(batch, [0]))
+                with pool_backend(target).routed_to([0]):
+                    return sum(len(c.token_ids) for c in await target.generate(batch))
 
             sides = {"pool" if self.replicas else "engine": whole}
             if self.replicas > 1:
@@ -206,11 +208,11 @@ class Phase:
                 "seconds": {k: {**spread(v), "samples": v} for k, v in seconds.items()},
                 "gb_per_s_median": {k: nbytes / statistics.median(v) / 1e9 for k, v in seconds.items()},
                 # per update (warm-up included): seconds from the fan-out's start until each
-                # replica answered (EnginePool.last_update_fanout_s)
+                # replica answered (PoolBackend.last_update_fanout_s)
                 "replica_answered_s": {k: v for k, v in self.answered.items() if v},
             }
             if self.replicas:
-                out["served_per_replica"] = [r.served for r in target.replicas.replicas]
+                out["served_per_replica"] = [r.served for r in pool_backend(target).replicas.replicas]
         finally:
             if sender is not None:
                 with contextlib.suppress(Exception):
@@ -222,6 +224,7 @@ class Phase:
     async def _update_sides(self, target: Any, sets: tuple[list[Any], list[Any], Path], model: Path) -> Any:
         from rlinfer_core.transfer.buckets import to_dtype
         from rlinfer_core.weights import CheckpointDir, NamedTensors
+        from rlinfer_ray import pool_backend
 
         args = self.args
         specs = target.weight_specs
@@ -239,12 +242,12 @@ class Phase:
             await target.update_weights(tensors[which])
             _sync(device)
             if self.replicas:  # when each replica answered: overlapping loads end together
-                answered["tensors"].append(dict(target.last_update_fanout_s))
+                answered["tensors"].append(dict(pool_backend(target).last_update_fanout_s))
 
         async def by_disk(which: int) -> None:
             await target.update_weights(disk[which])
             if self.replicas:
-                answered["disk"].append(dict(target.last_update_fanout_s))
+                answered["disk"].append(dict(pool_backend(target).last_update_fanout_s))
 
         sides: dict[str, Any] = {"tensors": by_tensors, "disk": by_disk}
         sender = None

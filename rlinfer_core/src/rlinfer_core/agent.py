@@ -45,9 +45,13 @@ DERIVED: dict[Capability, tuple[Capability | None, str]] = {
 
 
 def derive_capabilities(caps: Capabilities) -> Capabilities:
-    """``caps`` plus the capabilities the facade builds on them (see the module docstring)."""
+    """``caps`` plus the capabilities the facade builds on them (see the module docstring). One
+    that ``caps`` notes without claiming it is one the backend turned off, with that note as the
+    reason (rlinfer_ray's pool cannot replay a delta to a restarted replica): not added."""
     added = {
-        c for c, (base, _) in DERIVED.items() if c not in caps.supported and (base is None or base in caps.supported)
+        c
+        for c, (base, _) in DERIVED.items()
+        if c not in caps.supported and c.value not in caps.notes and (base is None or base in caps.supported)
     }
     lacking = {
         c.value: f"built by the facade on {base.value}, which this backend does not support here"

@@ -21,7 +21,7 @@ import attrs
 
 from rlinfer_core.agent import attach_tool_calls, derive_capabilities
 from rlinfer_core.backend import AbortingBackend, PausingBackend, StreamingBackend, claimed_but_missing
-from rlinfer_core.discovery import get_backend, plugin_objects
+from rlinfer_core.discovery import BackendInfo, get_backend, plugin_objects
 from rlinfer_core.engine_agent import EngineAgent
 from rlinfer_core.engine_staging import EngineStaging
 from rlinfer_core.errors import BackendLoadError, InvalidRequest
@@ -85,7 +85,22 @@ class AsyncEngine(EngineAgent, EngineStaging):
             config = attrs.evolve(config, **config_fields)
         info = get_backend(backend)
         extra = plugin_objects() if load_entry_point_plugins else []
-        engine = cls(info, info.create(config), config, plugins, extra)
+        return await cls._open_backend(info, info.create(config), config, plugins, extra, oom_retry)
+
+    @classmethod
+    async def _open_backend(
+        cls,
+        info: BackendInfo,
+        backend: Any,
+        config: EngineConfig,
+        plugins: Sequence[Any],
+        entry_point_plugins: Sequence[Any],
+        oom_retry: OutOfMemoryRetry | None = None,
+    ) -> AsyncEngine:
+        """Start ``backend`` (an object implementing the operation hooks, made for ``info``'s
+        engine) behind the facade: :meth:`open` once it has built the backend, and packages that
+        build their own backend object over an engine (``rlinfer_ray``'s pool of replicas)."""
+        engine = cls(info, backend, config, plugins, entry_point_plugins)
         if oom_retry is not None:
             engine._oom_retry = oom_retry
         if config.deterministic:  # refused before anything starts

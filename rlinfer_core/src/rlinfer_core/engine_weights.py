@@ -280,8 +280,10 @@ class EngineWeights(EngineBase):
     @property
     def broadcast_ranks(self) -> int:
         """How many ranks of a broadcast group this engine takes: one per engine rank
-        (``EngineConfig.world_size``: tensor x data x pipeline parallel sizes)."""
-        return self.config.world_size
+        (``EngineConfig.world_size``: tensor x data x pipeline parallel sizes); a backend over
+        several engines (``rlinfer_ray``'s pool) states its own count as ``broadcast_ranks``."""
+        ranks = getattr(self._backend, "broadcast_ranks", None)
+        return self.config.world_size if ranks is None else int(ranks)
 
     async def init_weight_broadcast(self, group: BroadcastGroup) -> None:
         """Have the engine join the trainer's broadcast group (trainer is rank 0).

@@ -26,7 +26,7 @@ from rlinfer_core.types import Capabilities, Capability, Completion, GenerateReq
 
 
 class Generating(Protocol):
-    """What over-sampling needs: an AsyncEngine or an rlinfer-ray EnginePool."""
+    """What over-sampling needs: an AsyncEngine (over any backend, an rlinfer-ray pool included)."""
 
     async def generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:
         """Generate ``requests`` to their end."""

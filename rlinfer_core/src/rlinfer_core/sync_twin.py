@@ -1,8 +1,8 @@
 """Blocking twins of async classes, derived member by member from the async class.
 
-A twin (:class:`~rlinfer_core.sync_engine.Engine`, :class:`~rlinfer_core.session.Session`,
-``rlinfer_ray``'s ``SyncEnginePool``) names each member of its async class once, and a helper
-here builds the blocking member from the async one::
+A twin (:class:`~rlinfer_core.sync_engine.Engine`, :class:`~rlinfer_core.session.Session`)
+names each member of its async class once, and a helper here builds the blocking member from the
+async one::
 
     class Engine(SyncTwin):
         generate = blocking(AsyncEngine.generate)      # coroutine -> runs on the loop thread, blocks

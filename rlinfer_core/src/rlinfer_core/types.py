@@ -286,7 +286,7 @@ class EngineConfig:
     device: Literal["auto", "cpu", "cuda"] = attrs.field(default="auto", validator=v.one_of("auto", "cpu", "cuda"))
     tensor_parallel_size: int = attrs.field(default=1, validator=v.in_range(1, 1024, integer=True))
     #: copies of the tensor-parallel group inside one engine, each with its own requests (see the
-    #: class docstring); a pool of separate engines is rlinfer-ray's EnginePool instead
+    #: class docstring); a pool of separate engines is an rlinfer-ray pool instead
     data_parallel_size: int = attrs.field(default=1, validator=v.in_range(1, 1024, integer=True))
     #: 1, or tensor_parallel_size x data_parallel_size: experts split whole across those ranks
     expert_parallel_size: int = attrs.field(default=1, validator=v.in_range(1, 1024, integer=True))

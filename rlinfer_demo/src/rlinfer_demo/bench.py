@@ -14,7 +14,7 @@ more comparisons join the same runs when asked for:
 
 * server mode (``rollout: {mode: server}`` or a ``server_url``): an in-process engine of the same
   config as a third side (``inprocess``), so the HTTP hop is measured against in-process;
-* ``--replicas N``: an rlinfer-ray ``EnginePool`` of N replicas of the same config (``pool``):
+* ``--replicas N``: an rlinfer-ray pool of N replicas of the same config (``pool``):
   at N=1 the pool's overhead over the direct engine, at N>=2 the throughput of N replicas over
   one engine, and ``pool_one`` (the same pool routed to replica 0 only: N replicas vs 1 on the
   same engines); weight updates to the N replicas vs the one engine.
@@ -151,9 +151,9 @@ def bench_pool_config(args: argparse.Namespace, replicas: int) -> Any:
 
 
 async def _open_pool(backend: str, config: EngineConfig, pool_config: Any) -> Any:
-    from rlinfer_ray import EnginePool
+    from rlinfer_ray import open_async_pool
 
-    return await EnginePool.open(backend, config, pool=pool_config, load_entry_point_plugins=False)
+    return await open_async_pool(backend, config, pool=pool_config, load_entry_point_plugins=False)
 
 
 async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -187,9 +187,11 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             pool = await open_side("pool", _open_pool(backend, config, pool_settings))
             gen_sides["pool"] = _tokens(pool)
             if replicas > 1:
+                from rlinfer_ray import pool_backend
 
                 async def one_replica(batch: list[Any]) -> int:
-                    return sum(len(c.token_ids) for c in await pool.bench_generate_on(batch, [0]))
+                    with pool_backend(pool).routed_to([0]):
+                        return sum(len(c.token_ids) for c in await pool.generate(batch))
 
                 gen_sides["pool_one"] = one_replica
         assert engine.model_info is not None
@@ -227,7 +229,11 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             upd_sides[f"{name}_tensors"] = _updater(target, named_tensors)
         upd = await time_updates(with_control(upd_sides, "raw_disk"), runs)
         caps = engine.capabilities
-        served = [r.served for r in pool.replicas.replicas] if pool is not None else None
+        served = None
+        if pool is not None:
+            from rlinfer_ray import pool_backend
+
+            served = [r.served for r in pool_backend(pool).replicas.replicas]
     finally:
         for side in reversed(list(opened.values())):
             with contextlib.suppress(Exception):

@@ -1,13 +1,13 @@
 """rlinfer on Ray: many engine replicas behind the one rlinfer contract.
 
-:class:`EnginePool` has the API of :class:`rlinfer_core.engine.AsyncEngine` over N replicas, each
-an ``AsyncEngine`` of any backend inside a Ray actor; :class:`SyncEnginePool` (``open_pool``) is
-the blocking twin of :class:`rlinfer_core.engine.Engine`. Importing this package does not import
-Ray; the pool does when it opens.
+The pool is a backend (:class:`PoolBackend`) under the one :class:`rlinfer_core.engine.AsyncEngine`:
+:func:`open_async_pool` returns that engine over N replicas, each an engine of any backend
+inside a Ray actor; :func:`open_pool` its blocking twin, an :class:`rlinfer_core.engine.Engine`.
+:func:`pool_backend` reaches the pool's own controls (router, replica states, restarts).
+Importing this package does not import Ray; the pool does when it opens.
 """
 
 from rlinfer_ray.config import PoolConfig, RouterPolicy
-from rlinfer_ray.pool import EnginePool
-from rlinfer_ray.sync import SyncEnginePool, open_pool
+from rlinfer_ray.pool import PoolBackend, open_async_pool, open_pool, pool_backend
 
-__all__ = ["EnginePool", "PoolConfig", "RouterPolicy", "SyncEnginePool", "open_pool"]
+__all__ = ["PoolBackend", "PoolConfig", "RouterPolicy", "open_async_pool", "open_pool", "pool_backend"]

@@ -2,11 +2,12 @@
 
 Weight updates are all-or-nothing from the trainer's view:
 
-- the update is validated once here, against the engines' weight specs, before any replica is
-  touched: a bad update (shape, dtype, NaN, corrupt bucket, ...) fails on no replica at all;
+- the update is validated once, by the facade (``AsyncEngine.update_weights``) against the
+  engines' weight specs, before any replica is touched: a bad update (shape, dtype, NaN, corrupt
+  bucket, ...) fails on no replica at all;
 - it is then sent to every replica at once (named tensors and buckets go into Ray's object
   store once and every replica reads them from there; a checkpoint directory by path; a
-  broadcast reaches every replica's workers in one group, see :meth:`init_weight_broadcast`);
+  broadcast reaches every replica's workers in one group, see :meth:`rlinfer_init_weight_broadcast`);
 - when every replica rejects it, the error is raised and the pool version stays;
 - when some replicas loaded it and others failed, the failed ones leave routing at once, are
   restarted and re-synced to the new weights before they serve again; the pool's version is the
@@ -20,32 +21,22 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from rlinfer_core.errors import EngineDead, InvalidRequest, RLInferError, WeightStagingError, WeightUpdateError
-from rlinfer_core.preflight import as_weight_update, transport_name, update_target
-from rlinfer_core.types import Capability, MemoryTag, PauseMode
-from rlinfer_core.weights import (
-    BroadcastGroup,
-    BroadcastSource,
-    Buckets,
-    CheckpointDir,
-    NamedTensors,
-    WeightSource,
-    WeightUpdate,
-)
+from rlinfer_core.errors import EngineDead, RLInferError, WeightUpdateError
+from rlinfer_core.hookspecs import hookimpl
+from rlinfer_core.types import PauseMode
+from rlinfer_core.weights import BroadcastGroup, BroadcastSource, Buckets, CheckpointDir, NamedTensors, WeightUpdate
 from rlinfer_ray.replica import is_replica_death
 from rlinfer_ray.replicas import Replica, State, death_message
 from rlinfer_ray.shipping import ShippedWeights
 
 if TYPE_CHECKING:
-    from rlinfer_core.checksum import WeightChecksum, WeightVerification
-    from rlinfer_core.observers import Observers
-    from rlinfer_core.types import Capabilities, EngineConfig
-    from rlinfer_core.weights import TensorSpec
+    from rlinfer_core.checksum import WeightChecksum
+    from rlinfer_core.types import EngineConfig
     from rlinfer_ray.config import PoolConfig
     from rlinfer_ray.replicas import ReplicaSet
 
@@ -53,18 +44,19 @@ logger = logging.getLogger(__name__)
 
 
 class ControlPlane:
-    """Fan-out operations of :class:`~rlinfer_ray.pool.EnginePool` (its base class)."""
+    """Fan-out operations of :class:`~rlinfer_ray.pool.PoolBackend` (a base class of it)."""
 
     backend_name: str
     config: EngineConfig
     pool_config: PoolConfig
-    _observers: Observers
-    _weight_specs: Mapping[str, TensorSpec]
+    _closed: bool
 
     def __init__(self) -> None:
+        #: the version the serving replicas serve (what a restarted replica is re-synced to)
         self._version = 0
-        self._released: set[MemoryTag] = set()
+        #: the mode of a pause in force (a restarted replica is paused the same way)
         self._paused: PauseMode | None = None
+        #: serialises loads and re-syncs of restarted replicas
         self._weight_lock = asyncio.Lock()
         self._restarts: dict[int, asyncio.Task[None]] = {}
         #: how a restarted replica gets the pool's weights back (None: it cannot; it waits STALE)
@@ -75,16 +67,10 @@ class ControlPlane:
         #: that replica answered (loads that overlap end together; serialised ones one after another)
         self.last_update_fanout_s: dict[int, float] = {}
 
-    # provided by EnginePool
+    # provided by PoolBackend
     @property
     def replicas(self) -> ReplicaSet:  # pragma: no cover - overridden
         """The replica set."""
-        raise NotImplementedError
-
-    def _ensure_open(self) -> None:  # pragma: no cover - overridden
-        raise NotImplementedError
-
-    def _caps(self) -> Capabilities:  # pragma: no cover - overridden
         raise NotImplementedError
 
     # --- fan-out -------------------------------------------------------------------------------
@@ -115,21 +101,18 @@ class ControlPlane:
         replica.state = State.FAILED
         replica.error = death_message(replica, exc)
         logger.warning("%s; restarting it", replica.error)
-        if not self.pool_config.restart or self._closed_flag():
+        if not self.pool_config.restart or self._closed:
             return
         task = self._restarts.get(replica.index)
         if task is None or task.done():
             self._restarts[replica.index] = asyncio.get_running_loop().create_task(self._restart(replica))
-
-    def _closed_flag(self) -> bool:
-        return bool(getattr(self, "_closed", False))
 
     async def _restart(self, replica: Replica) -> None:
         """Fresh actor and engine in the same bundle, then re-sync to the pool's weights."""
         try:
             for attempt in range(3):
                 await self.replicas.stop(replica, State.FAILED)
-                if self._closed_flag():
+                if self._closed:
                     return
                 self.replicas.spawn(replica)
                 try:
@@ -182,53 +165,19 @@ class ControlPlane:
 
     # --- weights -------------------------------------------------------------------------------
 
-    @property
-    def weight_version(self) -> int:
-        """Version every serving replica serves: 0 at start, +1 (or as requested) per update."""
-        return self._version
+    @hookimpl
+    async def rlinfer_update_weights(self, update: WeightUpdate) -> None:
+        """Load ``update`` (validated by the facade, its version set) on every replica (see the
+        module docstring)."""
+        async with self._weight_lock:
+            await self._update_locked(update)
 
-    async def update_weights(
-        self, update: WeightUpdate | WeightSource | Mapping[str, Any], *, version: int | None = None
-    ) -> int:
-        """Load new weights on every replica (see the module docstring); the new pool version."""
-        self._ensure_open()
-        update = as_weight_update(update, version)
-        transport = transport_name(update.source)
-        started = time.perf_counter()
-        try:
-            async with self._weight_lock:
-                staging = getattr(self, "_open_staging", None)  # rlinfer_ray.staging
-                if staging is not None:
-                    raise WeightStagingError(
-                        f"a staged update ({staging.staging_id}, version {staging.version}) is open; "
-                        "commit or cancel it before update_weights"
-                    )
-                target, nbytes = await self._update_locked(update)
-        except Exception as exc:
-            self._observers.emit(
-                "rlinfer_on_weight_update_failed", backend=self.backend_name, transport=transport, error=exc
-            )
-            raise
-        self._observers.emit(
-            "rlinfer_on_weights_updated",
-            backend=self.backend_name,
-            version=target,
-            transport=transport,
-            nbytes=nbytes,
-            seconds=time.perf_counter() - started,
-        )
-        return target
-
-    async def _update_locked(self, update: WeightUpdate) -> tuple[int, int]:
+    async def _update_locked(self, update: WeightUpdate) -> None:
         import ray
 
-        from rlinfer_core.trainer_names import name_map, under_checkpoint_names
-        from rlinfer_core.transfer.validate import validate_source
-
-        target = update_target(update, self._version, self._caps(), self._released)
-        source = under_checkpoint_names(update.source, name_map(self._weight_specs))
-        update = attrs.evolve(update, source=source)
-        nbytes = validate_source(source, self._weight_specs)
+        assert update.version is not None, "the facade sets the version"
+        target = update.version
+        source = update.source
         if isinstance(source, BroadcastSource):
             members = self._broadcast_members()
             replay: Any = None
@@ -257,28 +206,28 @@ class ControlPlane:
         results = await self.replicas.fan_out(members, load)
         self.last_update_fanout_s = answered
         logger.debug("update to version %d: replicas answered after %s s", target, answered)
+        self._settle(results, target, "no replica loaded the update")
+        self._replay = replay
+
+    def _settle(self, results: Mapping[int, Any], target: int, nobody: str) -> None:
+        """After a load fanned out to replicas (an update or a staged commit): ``target`` is the
+        pool's version when any replica loaded it (the failed ones leave routing and are restarted,
+        re-synced to it); when none did, the first typed error is raised and the version stays."""
         loaded = [self.replicas.replicas[i] for i, res in results.items() if not isinstance(res, BaseException)]
         failed = {i: res for i, res in results.items() if isinstance(res, BaseException)}
         if not loaded:
-            first = failed[min(failed)]
             for i, exc in failed.items():
                 if is_replica_death(exc):
                     self._replica_failed(self.replicas.replicas[i], exc)
-            if isinstance(first, RLInferError) and not is_replica_death(first):
-                raise first
-            raise WeightUpdateError(
-                "no replica loaded the update", tuple(f"replica {i}: {exc}" for i, exc in sorted(failed.items()))
-            ) from first
+            raise first_error(failed, nobody)
         self._version = target
-        self._replay = replay
         for r in loaded:
             r.version = target
             if r.state is State.STALE:
                 r.state = State.SERVING
         for i, exc in failed.items():
-            # out of routing now; the restart re-syncs it to `target` once this lock is released
+            # out of routing now; the restart re-syncs it to `target` once the weight lock is released
             self._replica_failed(self.replicas.replicas[i], exc)
-        return target, nbytes
 
     def _broadcast_members(self) -> list[Replica]:
         members = [r for r in self.replicas.alive() if self._group_members.get(r.index) == r.generation]
@@ -297,30 +246,16 @@ class ControlPlane:
     @property
     def broadcast_ranks(self) -> int:
         """Ranks the pool takes in a broadcast group: one per engine rank (EngineConfig.world_size)
-        per replica."""
+        per replica (the facade's ``broadcast_ranks``)."""
         return self.config.world_size * len(self.replicas.alive())
 
-    async def init_weight_broadcast(self, group: BroadcastGroup) -> None:
-        """Have every replica's workers join ONE group with the trainer (rank 0).
-
-        Replica k takes ranks ``group.rank_offset + k * world_size`` onwards, so one
-        broadcast from the trainer reaches every replica. ``group.world_size`` must be at least
-        ``rank_offset + broadcast_ranks``.
-        """
-        self._ensure_open()
-        self._caps().require(Capability.WEIGHTS_BROADCAST)
+    @hookimpl
+    async def rlinfer_init_weight_broadcast(self, group: BroadcastGroup) -> None:
+        """Have every replica's workers join ONE group with the trainer (rank 0): replica k takes
+        ranks ``group.rank_offset + k * world_size`` onwards, so one broadcast reaches every replica."""
         members = self.replicas.alive()
-        need = group.rank_offset + self.broadcast_ranks
-        if need > group.world_size:
-            raise InvalidRequest(
-                "world_size",
-                f"a pool of {len(members)} replicas x {self.config.world_size} ranks needs "
-                f"world_size >= rank_offset + {self.broadcast_ranks} = {need}, got {group.world_size}",
-            )
         self._group_members = {}
-        offsets = {}
-        for k, r in enumerate(members):
-            offsets[r.index] = group.rank_offset + k * self.config.world_size
+        offsets = {r.index: group.rank_offset + k * self.config.world_size for k, r in enumerate(members)}
         results = await self.replicas.fan_out(
             members,
             lambda r: self.replicas.call(
@@ -333,18 +268,9 @@ class ControlPlane:
         self._raise_first(results)
         self._group_members = {r.index: r.generation for r in members}
 
-    async def weights_checksum(self) -> Mapping[str, WeightChecksum]:
+    @hookimpl
+    async def rlinfer_weights_checksum(self) -> Mapping[str, WeightChecksum]:
         """Checksums of the served weights; every serving replica must report the same ones."""
-        self._ensure_open()
-        self._caps().require(Capability.WEIGHTS_CHECKSUM)
-        per = await self._checksums()
-        first = per[min(per)]
-        differ = [i for i, sums in per.items() if sums != first]
-        if differ:
-            raise WeightUpdateError(f"replicas {differ} serve other weights than replica {min(per)}")
-        return first
-
-    async def _checksums(self) -> dict[int, Mapping[str, WeightChecksum]]:
         members = self.replicas.serving()
         timeout = self.config.request_timeout_s
         results = await self.replicas.fan_out(
@@ -354,34 +280,20 @@ class ControlPlane:
         per = {i: res for i, res in results.items() if not isinstance(res, BaseException)}
         if not per:
             raise EngineDead("no replica of the pool is serving")
-        return per
+        first: Mapping[str, WeightChecksum] = per[min(per)]
+        differ = [i for i, sums in per.items() if sums != first]
+        if differ:
+            raise WeightUpdateError(f"replicas {differ} serve other weights than replica {min(per)}")
+        return first
 
-    def checkpoint_names(self, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
-        """``tensors`` under the replicas' checkpoint names (see ``AsyncEngine.checkpoint_names``)."""
-        from rlinfer_core.trainer_names import name_map
-
-        pairs = tensors.items() if isinstance(tensors, Mapping) else tensors
-        return name_map(self._weight_specs).to_checkpoint(pairs)
-
-    async def verify_weights(self, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> WeightVerification:
-        """Compare every serving replica's weights with ``tensors``; the first mismatch, if any."""
-        from rlinfer_core.checksum import verify
-
-        self._caps().require(Capability.WEIGHTS_CHECKSUM)
-        pairs = self.checkpoint_names(tensors)
-        per = await self._checksums()
-        tied = getattr(getattr(self, "model_info", None), "tied_weights", None) or {}
-        results = [verify(per[i], pairs, tied) for i in sorted(per)]
-        return next((res for res in results if not res.ok), results[0])
-
-    def engine_processes(self) -> Mapping[str, int]:
+    @hookimpl
+    def rlinfer_engine_processes(self) -> Mapping[str, int]:
         """``{"replica<i>.<role>": pid}`` over every live replica, with each actor as ``.actor``.
 
         Blocking (as AsyncEngine's): call it outside the pool's event loop.
         """
         import ray
 
-        self._ensure_open()
         out: dict[str, int] = {}
         for r in self.replicas.alive():
             status, value = ray.get(r.actor.call.remote("engine_processes"), timeout=self.pool_config.control_timeout_s)
@@ -390,3 +302,13 @@ class ControlPlane:
             if r.pid is not None:
                 out[f"replica{r.index}.actor"] = r.pid
         return out
+
+
+def first_error(failed: Mapping[int, BaseException], message: str) -> BaseException:
+    """The error a caller gets when no replica did what was asked: the first typed one (lowest
+    replica index) that is not a replica's death, else a WeightUpdateError naming every failure."""
+    for index in sorted(failed):
+        exc = failed[index]
+        if isinstance(exc, RLInferError) and not is_replica_death(exc):
+            return exc
+    return WeightUpdateError(message, tuple(f"replica {i}: {exc}" for i, exc in sorted(failed.items())))

@@ -12,27 +12,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
 
-from rlinfer_core.errors import EngineDead, EngineTimeout, InvalidRequest
-from rlinfer_core.preflight import as_batch, validate_request
-from rlinfer_core.types import Capability, Completion, CompletionDelta, GenerateRequest
+from rlinfer_core.errors import EngineDead, EngineTimeout
+from rlinfer_core.hookspecs import hookimpl
+from rlinfer_core.types import Completion, CompletionDelta, GenerateRequest
 from rlinfer_ray.control import ControlPlane
 from rlinfer_ray.replica import is_replica_death
 from rlinfer_ray.replicas import Replica, death_message, raise_dead
 
 if TYPE_CHECKING:
-    from rlinfer_core.admission import Admission
-    from rlinfer_core.model_info import ModelInfo
     from rlinfer_ray.router import Router
 
-#: slack over request_timeout_s for a replica's generate reply (its own facade times out first)
+#: slack over request_timeout_s for a replica's reply (its own facade times out first)
 REPLY_SLACK_S = 30.0
-
-Session = str | Sequence[str | None] | None
 
 
 @attrs.define(eq=False)
@@ -46,94 +42,65 @@ class _Piece:
 
 
 class DataPlane(ControlPlane):
-    """Generation, streaming and aborts of :class:`~rlinfer_ray.pool.EnginePool` (its base class)."""
+    """Generation, streaming and aborts of :class:`~rlinfer_ray.pool.PoolBackend` (a base class of it)."""
 
     router: Router
-    model_info: ModelInfo | None
-    _admission: Admission
     #: caller request id -> (replica, the id that replica knows it by) while in flight
     _routes: dict[str, set[tuple[int, str]]]
+    #: the session key requests are routed by now (see :meth:`session`)
+    _session: str | None = None
+    #: the replicas requests are routed to now (see :meth:`routed_to`; None: every serving one)
+    _only: list[int] | None = None
 
-    def replica_states(self) -> list[str]:
-        """State of each replica, by index."""
-        return [r.state.value for r in self.replicas.replicas]
+    @contextlib.contextmanager
+    def session(self, key: str) -> Iterator[None]:
+        """Route the requests generated meanwhile by session ``key`` (the affinity of
+        ``RouterPolicy.SESSION``): ``with pool_backend(engine).session("user-1"): engine.generate(...)``."""
+        saved, self._session = self._session, key
+        try:
+            yield
+        finally:
+            self._session = saved
 
-    async def generate(
-        self, requests: GenerateRequest | Sequence[GenerateRequest], *, session: Session = None
-    ) -> list[Completion]:
-        """Generate on the replicas: ``n`` completions per request, in request order, then index.
+    @contextlib.contextmanager
+    def routed_to(self, replicas: Sequence[int]) -> Iterator[None]:
+        """Route the requests generated meanwhile over ``replicas`` only (a bench measuring k
+        replicas against all of them on the same pool); the pool's state is not changed."""
+        saved, self._only = self._only, list(replicas)
+        try:
+            yield
+        finally:
+            self._only = saved
 
-        ``session``: a key (or one per request) for the session policy's affinity.
-        """
-        return await self._generate(requests, session, None)
-
-    async def generate_over_sampled(
-        self, requests: GenerateRequest | Sequence[GenerateRequest], over_sample_rate: float
-    ) -> list[Completion]:
-        """:meth:`generate`, returning once ``ceil(over_sample_rate * len(requests))`` requests have
-        finished: the others are aborted (see :mod:`rlinfer_core.over_sample`)."""
-        from rlinfer_core.over_sample import generate_over_sampled
-
-        return await generate_over_sampled(self, requests, over_sample_rate, self._caps(), self._check_request)
-
-    async def _generate(
-        self,
-        requests: GenerateRequest | Sequence[GenerateRequest],
-        session: Session,
-        members: Sequence[int] | None,
-    ) -> list[Completion]:
-        batch = as_batch(requests, self._check_request)
-        sessions = self._sessions(session, len(batch))
-        if not batch:
-            return []
-        started = time.perf_counter()
-        ids = [r.request_id for r in batch]
-        async with self._admission.admit(ids, self.config.request_timeout_s):
-            plan = self._plan(batch, sessions, members)
-            parts = await asyncio.gather(*(self._run(index, pieces, 0) for index, pieces in plan.items()))
+    @hookimpl
+    async def rlinfer_generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:
+        """Generate on the replicas: ``n`` completions per request, in request order, then index."""
+        batch = list(requests)
+        plan = self._plan(batch, self._session, self._only)
+        parts = await asyncio.gather(*(self._run(index, pieces, 0) for index, pieces in plan.items()))
         out = sorted((c for part in parts for c in part), key=lambda pc: (pc[0], pc[1].index))
-        completions = [c for _, c in out]
-        self._observers.emit(
-            "rlinfer_on_generate_done",
-            backend=self.backend_name,
-            requests=batch,
-            completions=completions,
-            seconds=time.perf_counter() - started,
-        )
-        return completions
-
-    def _sessions(self, session: Session, count: int) -> list[str | None]:
-        if session is None or isinstance(session, str):
-            return [session] * count
-        keys = list(session)
-        if len(keys) != count:
-            raise InvalidRequest("session", f"must be one key or one per request ({count}), got {len(keys)}")
-        return keys
-
-    def _check_request(self, request: GenerateRequest) -> None:
-        """The facade's checks, once here, before anything is routed (each replica checks again)."""
-        self._ensure_open()
-        validate_request(request, self._caps(), self._released, self.model_info)
+        return [c for _, c in out]
 
     def _candidates(self, members: Sequence[int] | None) -> list[int]:
         candidates = [r.index for r in self.replicas.serving() if members is None or r.index in members]
         if not candidates:
-            raise EngineDead(f"no replica of the pool is serving: {self.replica_states()}")
+            states = [r.state.value for r in self.replicas.replicas]
+            raise EngineDead(f"no replica of the pool is serving: {states}")
         return candidates
 
     def _plan(
-        self, batch: list[GenerateRequest], sessions: list[str | None], members: Sequence[int] | None = None
+        self, batch: list[GenerateRequest], session: str | None, members: Sequence[int] | None = None
     ) -> dict[int, list[_Piece]]:
         """Which replica runs which piece; loads are taken at once."""
         candidates = self._candidates(members)
         loads = {r.index: r.load for r in self.replicas.replicas}
         plan: dict[int, list[_Piece]] = {}
-        for position, (request, key) in enumerate(zip(batch, sessions, strict=True)):
+        for position, request in enumerate(batch):
             n = request.sampling.n
             spread = self.pool_config.spread_n and n > 1 and request.sampling.seed is None and len(candidates) > 1
-            shares = self.router.spread(candidates, loads, n, key) if spread else {}
+            shares = self.router.spread(candidates, loads, n, session) if spread else {}
             if len(shares) <= 1:
-                index = next(iter(shares)) if shares else self.router.pick(candidates, loads, n, key)
+                index = next(iter(shares)) if shares else self.router.pick(candidates, loads, n, session)
                 pieces = [(index, _Piece(position, request.request_id, 0, request))]
             else:
                 pieces, offset = [], 0
@@ -192,30 +159,28 @@ class DataPlane(ControlPlane):
             if not left:
                 del self._routes[request_id]
 
-    async def stream(self, request: GenerateRequest, *, session: str | None = None) -> AsyncIterator[CompletionDelta]:
+    @hookimpl
+    async def rlinfer_generate_stream(self, request: GenerateRequest) -> AsyncIterator[CompletionDelta]:
         """Stream one request from one replica. A replica that dies before its first delta is
         replaced (when retry is on); after that the stream ends with EngineDead."""
-        self._caps().require(Capability.STREAM)
-        self._check_request(request)
-        async with self._admission.admit([request.request_id], self.config.request_timeout_s):
-            attempt = 0
-            while True:
-                candidates = self._candidates(None)
-                loads = {r.index: r.load for r in self.replicas.replicas}
-                replica = self.replicas.replicas[self.router.pick(candidates, loads, request.sampling.n, session)]
-                yielded = False
-                try:
-                    async for delta in self._stream_on(replica, request):
-                        yielded = True
-                        yield delta
-                    return
-                except Exception as exc:
-                    if not is_replica_death(exc):
-                        raise
-                    self._replica_failed(replica, exc)
-                    attempt += 1
-                    if yielded or not self.pool_config.retry or attempt > self.pool_config.max_retries:
-                        raise_dead(replica, exc)
+        attempt = 0
+        while True:
+            candidates = self._candidates(self._only)
+            loads = {r.index: r.load for r in self.replicas.replicas}
+            replica = self.replicas.replicas[self.router.pick(candidates, loads, request.sampling.n, self._session)]
+            yielded = False
+            try:
+                async for delta in self._stream_on(replica, request):
+                    yielded = True
+                    yield delta
+                return
+            except Exception as exc:
+                if not is_replica_death(exc):
+                    raise
+                self._replica_failed(replica, exc)
+                attempt += 1
+                if yielded or not self.pool_config.retry or attempt > self.pool_config.max_retries:
+                    raise_dead(replica, exc)
 
     async def _stream_on(self, replica: Replica, request: GenerateRequest) -> AsyncIterator[CompletionDelta]:
         import ray
@@ -248,10 +213,9 @@ class DataPlane(ControlPlane):
             with contextlib.suppress(Exception):
                 ray.cancel(refs)
 
-    async def abort(self, request_ids: Sequence[str] | str | None = None) -> None:
-        """Abort requests (``None``: all in flight on every replica); callers get partial tokens."""
-        self._ensure_open()
-        self._caps().require(Capability.ABORT)
+    @hookimpl
+    async def rlinfer_abort(self, request_ids: Sequence[str] | None) -> None:
+        """Abort requests (``None``: all in flight on every replica) where they were routed."""
         timeout = self.pool_config.control_timeout_s
         if request_ids is None:
             results = await self.replicas.fan_out(
@@ -260,9 +224,8 @@ class DataPlane(ControlPlane):
             )
             self._raise_first(results)
             return
-        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         per_replica: dict[int, list[str]] = {}
-        for rid in ids:
+        for rid in request_ids:
             for index, sub in self._routes.get(rid, ()):
                 per_replica.setdefault(index, []).append(sub)
         members = [r for r in self.replicas.serving() if r.index in per_replica]
@@ -274,16 +237,10 @@ class DataPlane(ControlPlane):
 
     # --- benchmarking --------------------------------------------------------------------------
 
-    async def bench_generate_on(self, requests: Sequence[GenerateRequest], replicas: Sequence[int]) -> list[Completion]:
-        """:meth:`generate` routed over ``replicas`` only (a bench measuring k replicas against
-        all of them on the same pool); the pool's state is not changed."""
-        return await self._generate(requests, None, list(replicas))
-
-    async def bench_raw_generate(self, requests: Sequence[GenerateRequest]) -> int:
+    @hookimpl
+    async def rlinfer_bench_raw_generate(self, requests: Sequence[GenerateRequest]) -> int:
         """The engine's native generate on the least loaded replica (no rlinfer conversion)."""
-        self._ensure_open()
-        self._caps().require(Capability.BENCH)
-        candidates = self._candidates(None)
+        candidates = self._candidates(self._only)
         index = self.router.pick(candidates, {r.index: r.load for r in self.replicas.replicas})
         replica = self.replicas.replicas[index]
         result: int = await self.replicas.call(

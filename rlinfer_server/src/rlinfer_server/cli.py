@@ -156,10 +156,9 @@ def run(args: argparse.Namespace) -> int:
 
     async def open_engine() -> ServedEngine:
         if pool is not None:
-            from rlinfer_ray import EnginePool
+            from rlinfer_ray import open_async_pool
 
-            served: ServedEngine = await EnginePool.open(backend, config, pool=pool)  # type: ignore[assignment]
-            return served
+            return await open_async_pool(backend, config, pool=pool)
         return await AsyncEngine.open(backend, config)
 
     what = backend if pool is None else f"a pool of {pool.replicas} {backend} replicas ({pool.policy.value})"

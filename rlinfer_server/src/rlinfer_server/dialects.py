@@ -2,7 +2,7 @@
 control routes (behind the ``--api-key`` bearer token, as ``/control/*``).
 
 Every dialect serves the OpenAI surface and rlinfer's ``/control/*`` routes too; a dialect adds
-an engine server's own routes over the same engine object (an AsyncEngine or an EnginePool), so
+an engine server's own routes over the same engine object (an AsyncEngine, over one engine or an rlinfer-ray pool), so
 rlinfer's guarantees (validation first, all-or-nothing updates, per-token versions, typed
 errors, deadlines) hold whatever the trainer speaks.
 """

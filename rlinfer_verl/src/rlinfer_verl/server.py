@@ -5,7 +5,7 @@ out); its ``RolloutReplica`` calls ``wake_up`` / ``sleep`` / ``abort_all_request
 ``resume_generation`` / the KV-cache calls; the trainer's ``ServerAdapter``
 (:mod:`rlinfer_verl.adapter`) calls ``update_weights`` / ``release_memory`` / ``resume_memory``.
 The engine is an rlinfer ``AsyncEngine`` (in process, or ``serving: server``) or an rlinfer-ray
-``EnginePool`` (``custom.rlinfer.pool``). Each call does what verl's own vLLM / SGLang servers do
+pool (``custom.rlinfer.pool``, ``rlinfer_ray.open_async_pool``). Each call does what verl's own vLLM / SGLang servers do
 (``verl/workers/rollout/{vllm,sglang}_rollout``), on rlinfer's contract: weight updates are all or
 nothing and checksum-verified (``EngineConfig.verify_updates``), and what the engine cannot do on
 this platform raises UnsupportedCapability instead of passing silently.
@@ -70,10 +70,10 @@ class RlinferServer:
         if self.engine is not None:
             return
         if self.rollout.pool is not None:
-            from rlinfer_ray import EnginePool
+            from rlinfer_ray import open_async_pool
             from rlinfer_ray.config_file import pool_config
 
-            self.engine = await EnginePool.open(
+            self.engine = await open_async_pool(
                 self.rollout.backend, self.rollout.engine, pool=pool_config(self.rollout.pool)
             )
         else:
