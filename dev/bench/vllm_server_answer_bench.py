@@ -19,7 +19,8 @@ from typing import Any
 from vllm.logprobs import Logprob
 
 from rlinfer_core.types import GenerateRequest, SamplingParams
-from rlinfer_vllm.server_mode import convert, engine_route
+from rlinfer_vllm import token_endpoint as convert
+from rlinfer_vllm.api_server import engine_route
 
 REQUESTS, TOKENS, REPEATS = 128, 512, 3
 

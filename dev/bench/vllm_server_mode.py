@@ -5,7 +5,7 @@ machine's background load hits both alike); reports the median tokens/s of each,
 the ratio, the server's raw ``/v1/completions`` baseline on the same batches, and the CPU seconds
 each side's processes spent per batch (caller, API server, engine core, worker: where the time
 goes), with the load average before and after. Server mode's ``generate`` goes through rlinfer's
-batch endpoint (``rlinfer_vllm.server_mode.batch_route``); the raw baseline is one call per request.
+batch endpoint (``rlinfer_vllm.api_server.batch_route``); the raw baseline is one call per request.
 
     .venvs/vllm/bin/python dev/bench/vllm_server_mode.py --runs 7 [--model DIR] [--json-out FILE]
 """

@@ -152,7 +152,7 @@ def breakdown(engine: Any, tensors: list[tuple[str, Any]], nbytes: int, repeats:
 class WorkerTimings(logging.Handler):
     """The worker's own timings of each update, read from the backend's debug log line (the vLLM
     backend logs a dict with ``load_s``, ``map_s`` in ms and ``fast_load``: 1.0 where one batched
-    copy loaded the update, see rlinfer_vllm.fast_load). Nothing is collected for backends
+    copy loaded the update, see rlinfer_vllm.worker.fast_load). Nothing is collected for backends
     without such a line."""
 
     def __init__(self) -> None:

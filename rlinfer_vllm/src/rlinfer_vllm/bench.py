@@ -1,4 +1,5 @@
-"""The vLLM backend's bench hooks: the raw engine on the same engine instance (a mixin)."""
+"""The raw baselines of ``rlinfer bench`` for the in-process transport: the raw engine on the same
+engine instance (a mixin of :class:`rlinfer_vllm.transport.in_process.InProcessTransport`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.types import GenerateRequest
 
 if TYPE_CHECKING:
@@ -16,19 +16,19 @@ if TYPE_CHECKING:
     from rlinfer_vllm.load_gate import LoadGate
 
 
-class BenchHooks:
-    """``rlinfer_bench_*`` hooks of :class:`rlinfer_vllm.backend.VllmBackend`."""
+class RawBaseline:
+    """``bench_raw_generate`` / ``bench_raw_weight_update`` over AsyncLLM."""
 
     _gate: LoadGate
 
     def _alive(self) -> AsyncLLM:
         raise NotImplementedError
 
-    async def _rpc(self, method: str, *args: Any) -> Any:
+    async def rpc(self, method: str, *args: Any) -> Any:
+        """The transport's worker call."""
         raise NotImplementedError
 
-    @hookimpl
-    async def rlinfer_bench_raw_generate(self, requests: Sequence[GenerateRequest]) -> int:
+    async def bench_raw_generate(self, requests: Sequence[GenerateRequest]) -> int:
         """The same batch through AsyncLLM.generate with hand-built vLLM params; tokens out."""
         from vllm import SamplingParams
         from vllm.inputs.engine import tokens_input
@@ -65,10 +65,9 @@ class BenchHooks:
         counts = await asyncio.gather(*(one(r, i) for i, r in enumerate(requests)))
         return sum(counts)
 
-    @hookimpl
-    async def rlinfer_bench_raw_weight_update(self, path: str) -> None:
+    async def bench_raw_weight_update(self, path: str) -> None:
         """vLLM's own reload from disk (``reload_weights(weights_path=...)``), no validation."""
         llm = self._alive()
         resolved = str(Path(path).resolve())
         await llm.collective_rpc("reload_weights", kwargs={"weights_path": resolved})
-        await self._rpc("rlinfer_shadow_from_dir", resolved)
+        await self.rpc("rlinfer_shadow_from_dir", resolved)

@@ -1,5 +1,6 @@
-"""The vLLM backend's generate hooks (a mixin): batches and streams through ``AsyncLLM.generate``,
-with token versions, raw logprobs and LoRA adapters."""
+"""Generation of the in-process transport (a mixin of
+:class:`rlinfer_vllm.transport.in_process.InProcessTransport`): batches and streams through
+``AsyncLLM.generate``, with token versions, raw logprobs, images and LoRA adapters."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import attrs
 
 from rlinfer_core.chat_template import prompt_ids
 from rlinfer_core.errors import UnsupportedCapability
-from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.model_info import ModelInfo
 from rlinfer_core.types import (
     Capability,
@@ -22,7 +22,7 @@ from rlinfer_core.types import (
     GenerateRequest,
     LogprobsMode,
 )
-from rlinfer_vllm import convert
+from rlinfer_vllm import engine_io
 from rlinfer_vllm import images as image_inputs
 from rlinfer_vllm.batch import complete_all
 from rlinfer_vllm.lora import lora_request
@@ -32,13 +32,14 @@ if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from rlinfer_core.lora_shelf import ServedAdapter
+    from rlinfer_vllm.backend import InFlight
 
 
 class Generation(RawLogprobs):
-    """``rlinfer_generate`` / ``rlinfer_generate_stream`` of :class:`rlinfer_vllm.backend.VllmBackend`."""
+    """``generate`` / ``stream`` of :class:`rlinfer_vllm.transport.in_process.InProcessTransport`."""
 
     _info: ModelInfo | None
-    _inflight: set[str]
+    _inflight: InFlight
     config: EngineConfig
 
     def _lora_acquire(self, request: GenerateRequest) -> ServedAdapter | None:
@@ -75,8 +76,7 @@ class Generation(RawLogprobs):
         info = image_inputs.multimodal_info(self.config.model, done[0].prompt_token_ids, images)
         return [attrs.evolve(c, multimodal=info) for c in done]
 
-    @hookimpl
-    async def rlinfer_generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:
+    async def generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:
         """Run every request concurrently; n completions per request, in request order."""
         self._alive()
         return await complete_all(requests, self._complete)
@@ -87,7 +87,7 @@ class Generation(RawLogprobs):
         llm = self._alive()
         ids = self._prompt_ids(llm, request)
         prompt, prompt_len = self._engine_prompt(request, ids)
-        params = convert.sampling_params(request, prompt_len, self._max_len(), RequestOutputKind.FINAL_ONLY)
+        params = engine_io.sampling_params(request, prompt_len, self._max_len(), RequestOutputKind.FINAL_ONLY)
         started = time.perf_counter()
         last = None
         served = self._lora_acquire(request)
@@ -110,26 +110,25 @@ class Generation(RawLogprobs):
             latency = time.perf_counter() - started
             if last is None:
                 versions.forget(request.request_id, params.n)
-                return convert.aborted_before_output(request, ids, latency)
+                return engine_io.aborted_before_output(request, ids, latency)
             done = [
                 attrs.evolve(c, token_versions=versions.take(request.request_id, c.index, len(c.token_ids)))
-                for c in convert.completions(request, last, latency)
+                for c in engine_io.completions(request, last, latency)
             ]
             versions.forget(request.request_id, params.n)
             done = self._with_images(request, done)
-            return convert.replicate(request, await self._with_raw(request, ids, done, lora))
+            return engine_io.replicate(request, await self._with_raw(request, ids, done, lora))
         finally:
             await self._lora_done(served)
 
-    @hookimpl
-    async def rlinfer_generate_stream(self, request: GenerateRequest) -> AsyncIterator[CompletionDelta]:
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[CompletionDelta]:
         """Stream deltas (vLLM's DELTA output kind); the last one of each sample has its finish reason."""
         from vllm.sampling_params import RequestOutputKind
 
         llm = self._alive()
         ids = self._prompt_ids(llm, request)
         prompt, prompt_len = self._engine_prompt(request, ids)
-        params = convert.sampling_params(request, prompt_len, self._max_len(), RequestOutputKind.DELTA)
+        params = engine_io.sampling_params(request, prompt_len, self._max_len(), RequestOutputKind.DELTA)
         versions = self._versions
         assert versions is not None
         served = self._lora_acquire(request)
@@ -154,14 +153,14 @@ class Generation(RawLogprobs):
                     for o in out.outputs:
                         finished = o.finish_reason is not None
                         if o.token_ids or finished:
-                            delta = convert.delta(request.request_id, o, finished)
+                            delta = engine_io.delta(request.request_id, o, finished)
                             stamps = versions.take(request.request_id, o.index, len(delta.token_ids))
                             delta = attrs.evolve(delta, token_versions=stamps)
                             if raw and delta.token_ids:
                                 so_far, start = delta_tokens(seen, o.index, delta.token_ids)
                                 lps, _ = await self._raw_score(ids, so_far, start, 0, lora)
                                 delta = attrs.evolve(delta, logprobs=lps)
-                            for item in convert.replicate(request, [delta]):
+                            for item in engine_io.replicate(request, [delta]):
                                 yield item
         except Exception as exc:
             raise self._translate(exc) from exc

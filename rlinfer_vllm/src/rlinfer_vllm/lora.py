@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from rlinfer_core.errors import InvalidRequest, UnsupportedCapability
-from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.lora import LoraAdapter
 from rlinfer_core.lora_shelf import AdapterShelf, ServedAdapter
 from rlinfer_core.types import Capability, GenerateRequest, LogprobsMode
@@ -43,9 +42,9 @@ def lora_request(served: ServedAdapter | None) -> LoRARequest | None:
     return LoRARequest(served.engine_name, served.engine_id, str(served.folder))
 
 
-class LoraHooks:
-    """``rlinfer_load_lora`` / ``rlinfer_unload_lora`` / ``rlinfer_list_loras`` and the per-request
-    adapter lookup; mixed into :class:`rlinfer_vllm.backend.VllmBackend`."""
+class LoraAdapters:
+    """Adapter loading and the per-request adapter lookup of the in-process transport (a mixin of
+    :class:`rlinfer_vllm.transport.in_process.InProcessTransport`)."""
 
     _lora: AdapterShelf
 
@@ -58,8 +57,7 @@ class LoraHooks:
     async def _lora_remove(self, served: ServedAdapter) -> None:
         await self._alive().remove_lora(served.engine_id)
 
-    @hookimpl
-    async def rlinfer_load_lora(self, adapter: LoraAdapter, replace: bool) -> None:
+    async def load_lora(self, adapter: LoraAdapter, replace: bool) -> None:
         """Load ``adapter`` as a new vLLM adapter (``replace``: and switch its name to it)."""
         llm = self._alive()
         served = self._lora.prepare(adapter)
@@ -73,13 +71,11 @@ class LoraHooks:
             raise InvalidRequest("lora", f"vLLM did not load adapter {adapter.name!r}")
         await self._lora.put(served)
 
-    @hookimpl
-    async def rlinfer_unload_lora(self, name: str) -> None:
+    async def unload_lora(self, name: str) -> None:
         """Unload adapter ``name`` (its vLLM adapter goes once no request in flight uses it)."""
         await self._lora.unload(name)
 
-    @hookimpl
-    async def rlinfer_list_loras(self) -> Sequence[str]:
+    async def list_loras(self) -> Sequence[str]:
         """Names of the adapters vLLM holds and rlinfer serves."""
         ids = await self._alive().list_loras()
         return sorted(s.name for s in self._lora.live() if s.engine_id in ids)

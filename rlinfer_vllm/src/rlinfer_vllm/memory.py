@@ -1,4 +1,5 @@
-"""The vLLM backend's memory hooks (a mixin): vLLM sleep mode on CUDA, refused on CPU."""
+"""The vLLM backend's memory hooks (a mixin, both flavours): vLLM sleep mode on CUDA, refused on
+CPU (vLLM frees nothing there)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.types import Capabilities, Capability, MemoryTag
 
 if TYPE_CHECKING:
-    from vllm.v1.engine.async_llm import AsyncLLM
+    from rlinfer_vllm.transport import Transport
 
 
 class MemoryHooks:
@@ -19,7 +20,7 @@ class MemoryHooks:
     _asleep: set[MemoryTag]
     _implicitly_asleep: set[MemoryTag]
 
-    def _alive(self) -> AsyncLLM:
+    def _alive(self) -> Transport:
         raise NotImplementedError
 
     async def rlinfer_reset_prefix_cache(self) -> None:
@@ -33,33 +34,32 @@ class MemoryHooks:
         self._caps.require(Capability.MEMORY_RELEASE)
         if discard_weights:
             self._caps.require(Capability.MEMORY_DISCARD_WEIGHTS)
-        llm = self._alive()
+        transport = self._alive()
         # a tag already released along with the other one: now the caller owns it
         for tag in tags & self._implicitly_asleep:
             self._implicitly_asleep.discard(tag)
             tags = tags - {tag}
-        kv_only = getattr(llm, "release_kv_cache_memory", None)  # vLLM >= 0.32
-        if MemoryTag.WEIGHTS in tags or (MemoryTag.KV_CACHE in tags and kv_only is None):
+        kv_only = transport.kv_cache_release  # vLLM >= 0.32
+        if MemoryTag.WEIGHTS in tags or (MemoryTag.KV_CACHE in tags and not kv_only):
             # level 1 offloads weights to host memory and discards the KV cache (level 2 discards
             # both): whatever of the two was not asked for is woken up again with the tags that were
-            await llm.sleep(level=2 if discard_weights else 1, mode="abort")
+            await transport.sleep(level=2 if discard_weights else 1)
             both = {MemoryTag.WEIGHTS, MemoryTag.KV_CACHE}
             self._implicitly_asleep |= both - tags - self._asleep
             self._asleep |= both
-        elif MemoryTag.KV_CACHE in tags and kv_only is not None:
-            await llm.pause_generation(mode="abort")
-            await kv_only()
+        elif MemoryTag.KV_CACHE in tags:
+            await transport.release_kv_cache()
             self._asleep.add(MemoryTag.KV_CACHE)
 
     @hookimpl
     async def rlinfer_resume_memory(self, tags: frozenset[MemoryTag]) -> None:
         """GPU: vLLM wake_up for ``tags`` (and the KV cache released along with the weights)."""
         self._caps.require(Capability.MEMORY_RELEASE)
-        llm = self._alive()
+        transport = self._alive()
         wake = (set(tags) | self._implicitly_asleep) & self._asleep
         if not wake:
             return
-        await llm.wake_up(tags=sorted(t.value for t in wake))
+        await transport.wake_up(sorted(t.value for t in wake))
         self._asleep -= wake
         self._implicitly_asleep -= wake
         if MemoryTag.KV_CACHE in wake:

@@ -1,5 +1,11 @@
-"""The vLLM backend's weight hooks (a mixin): updates over every transport, checksums, the
-broadcast group. Loading happens in the worker (:mod:`rlinfer_vllm.worker`)."""
+"""The vLLM backend's weight hooks (a mixin of :class:`rlinfer_vllm.backend.VllmBackend`):
+updates over every transport, checksums, the broadcast group, for both flavours. Loading happens
+in the worker (:mod:`rlinfer_vllm.worker`), reached by the transport's ``rpc``.
+
+The load runs while the scheduler is paused ("keep": the caller's pause, or one taken here), and
+the engine's version label switches before it resumes: every token computed after the load
+carries the new version (:mod:`rlinfer_vllm.versions`, :mod:`rlinfer_vllm.transport.stream_versions`).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,7 @@ import contextlib
 import logging
 import pickle
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, assert_never
 
@@ -31,14 +37,28 @@ from rlinfer_core.weights import (
     WeightUpdate,
 )
 from rlinfer_vllm.capabilities import Platform
-from rlinfer_vllm.versions import TokenVersions
 
 if TYPE_CHECKING:
-    from vllm.v1.engine.async_llm import AsyncLLM
-
     from rlinfer_vllm.load_gate import LoadGate
+    from rlinfer_vllm.transport import Transport
 
 logger = logging.getLogger("rlinfer_vllm.backend")
+
+
+@contextlib.contextmanager
+def failures_typed(what: str) -> Iterator[None]:
+    """An engine failure inside becomes WeightUpdateError naming ``what`` (rlinfer's other errors
+    and cancellation pass; a server's 5xx is the engine's failure)."""
+    from rlinfer_core.server_http import ServerError
+
+    try:
+        yield
+    except ServerError as exc:
+        raise WeightUpdateError(f"vLLM failed to {what}: {exc}") from exc
+    except RLInferError:
+        raise
+    except Exception as exc:
+        raise WeightUpdateError(f"vLLM failed to {what}: {exc}") from exc
 
 
 class WeightHooks:
@@ -49,15 +69,11 @@ class WeightHooks:
     _caps: Capabilities
     _specs: dict[str, TensorSpec]
     _info: ModelInfo | None
-    _versions: TokenVersions | None
     _pause_lock: asyncio.Lock
     _user_pause: PauseMode | None
     _gate: LoadGate
 
-    def _alive(self) -> AsyncLLM:
-        raise NotImplementedError
-
-    async def _rpc(self, method: str, *args: Any) -> Any:
+    def _alive(self) -> Transport:
         raise NotImplementedError
 
     async def rlinfer_reset_prefix_cache(self) -> None:
@@ -65,33 +81,28 @@ class WeightHooks:
         raise NotImplementedError
 
     @contextlib.asynccontextmanager
-    async def _paused_for_load(self) -> AsyncIterator[AsyncLLM]:
+    async def _paused_for_load(self) -> AsyncIterator[Transport]:
         """Hold the scheduler paused (the caller's pause, or one in "keep" mode taken here) while
         weights load, so that no engine step overlaps the load: the boundary between old- and
-        new-version tokens is exact (see :mod:`rlinfer_vllm.versions`). KV caches are kept.
-        With none of our requests in the engine, holding new ones back does the same without
-        the two round trips of a pause (:mod:`rlinfer_vllm.load_gate`)."""
-        llm = self._alive()
+        new-version tokens is exact. KV caches are kept. With none of our requests in the engine
+        (a gated transport), holding new ones back does the same without the two round trips of
+        a pause (:mod:`rlinfer_vllm.load_gate`)."""
+        transport = self._alive()
         async with self._pause_lock, self._gate.held() as idle:
             if self._user_pause is not None:
-                yield llm
+                yield transport
                 return
-            if idle:
-                yield llm
+            if idle and transport.gated:
+                yield transport
                 await self.rlinfer_reset_prefix_cache()  # a no-op unless requests ran since the last one
                 return
-            pause = getattr(llm.engine_core, "pause_scheduler_async", None)
-            if pause is not None:  # AsyncLLM.pause_generation adds a 20 ms sleep
-                await pause(mode="keep", clear_cache=False)
-            else:
-                await llm.pause_generation(mode="keep", clear_cache=False)
+            await transport.pause_for_load()
             try:
-                yield llm
+                yield transport
                 # nothing may reuse a prefix computed by the old weights once steps run again
                 await self.rlinfer_reset_prefix_cache()
             finally:
-                if not llm.errored:
-                    await llm.resume_generation()
+                await transport.resume_after_load()
 
     @hookimpl
     def rlinfer_weight_specs(self) -> Mapping[str, TensorSpec]:
@@ -102,48 +113,49 @@ class WeightHooks:
     @hookimpl
     async def rlinfer_update_weights(self, update: WeightUpdate) -> None:
         """Hand the (validated) update to the worker, which loads it all-or-nothing."""
-        try:
+        with failures_typed("load the update"):
             started = time.perf_counter()
             prepared = await prepare_source(update.source)
-            async with self._paused_for_load():
-                worker = await send_source(update.source, prepared, self._rpc)
-                assert self._versions is not None
+            async with self._paused_for_load() as transport:
+                worker = await send_source(update.source, prepared, transport.rpc)
                 if update.version is not None:
-                    self._versions.version = update.version
+                    # the engine labels the outputs of every later step with this version
+                    await transport.label_version(update.version)
             logger.debug(
                 "weight update: %.1f ms in the backend; worker: %s",
                 (time.perf_counter() - started) * 1e3,
-                {k: round(v * 1e3, 2) if k.endswith("_s") else v for k, v in worker.items()},
+                {k: round(v * 1e3, 2) if k.endswith("_s") else v for k, v in worker.items()}
+                if isinstance(worker, Mapping)
+                else worker,
             )
-        except (RLInferError, asyncio.CancelledError):
-            raise
-        except Exception as exc:
-            raise WeightUpdateError(f"vLLM failed to load the update: {exc}") from exc
 
     @hookimpl
     async def rlinfer_weights_checksum(self) -> Mapping[str, WeightChecksum]:
-        """Checksums computed in the worker over what its kernels serve (see rlinfer_vllm.served)."""
+        """Checksums computed in the worker over what its kernels serve (see rlinfer_vllm.worker.served)."""
         self._caps.require(Capability.WEIGHTS_CHECKSUM)
         tied = dict(self._info.tied_weights) if self._info is not None else {}
-        return checksums(await self._rpc("rlinfer_weights_checksum", tied))
+        return checksums(await self._alive().rpc("rlinfer_weights_checksum", tied))
 
     async def quantized_check(self) -> dict[str, Any]:
         """On an engine started with ``quantization`` (``weights.quantized_reload``): the served
-        weights against the last sent ones, computed in the worker (rlinfer_vllm.quantized):
+        weights against the last sent ones, computed in the worker (rlinfer_vllm.worker.quantized):
         ``mismatched`` names, ``worst_ratio`` (<= 1: within FP8 rounding), ``quantized`` /
         ``exact`` counts. Not a hook: the GPU bench and the docs' recipe call it."""
         self._caps.require(Capability.WEIGHTS_QUANTIZED_RELOAD)
-        report: dict[str, Any] = await self._rpc("rlinfer_quantized_check")
+        report: dict[str, Any] = await self._alive().rpc("rlinfer_quantized_check")
         return report
 
     @hookimpl
     async def rlinfer_init_weight_broadcast(self, group: BroadcastGroup) -> None:
-        """Have the worker join the trainer's group (blocks until every rank joined)."""
+        """Have the worker join the trainer's group (returns once every rank joined)."""
+        from rlinfer_core.server_http import ServerError
+
         check_group(self.platform, group)
-        await self._rpc("rlinfer_join_group", attrs.asdict(group))
+        try:
+            await self._alive().rpc("rlinfer_join_group", attrs.asdict(group))
+        except ServerError as exc:
+            raise WeightUpdateError(f"the vLLM worker could not join the broadcast group: {exc}") from exc
 
-
-# --- shared with the server-mode backend (rlinfer_vllm.server_mode.weights) -------------------
 
 #: ``rpc(method, *args)``: call ``RLInferWorkerExtension.<method>`` in the worker (bytes as bytes)
 Rpc = Callable[..., Awaitable[Any]]

@@ -1,4 +1,4 @@
-"""Fast in-place weight loading (rlinfer_vllm.fast_load): slice selection, the batched copy, the
+"""Fast in-place weight loading (rlinfer_vllm.worker.fast_load): slice selection, the batched copy, the
 fallback decision.
 
 The unit tests run on CPU over ``CausalLMDouble``, a small torch module built here that has the
@@ -23,8 +23,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from rlinfer_vllm import fast_load  # noqa: E402
-from rlinfer_vllm.fast_load import FastLoader, drop_overlaps, ineligible_reason, parameter_views  # noqa: E402
+from rlinfer_vllm.worker import fast_load  # noqa: E402
+from rlinfer_vllm.worker.fast_load import FastLoader, drop_overlaps, ineligible_reason, parameter_views  # noqa: E402
 
 HIDDEN, HEADS_Q, HEADS_KV, HEAD, INTER, VOCAB, PADDED = 8, 4, 2, 2, 12, 10, 16
 Q, KV = HEADS_Q * HEAD, HEADS_KV * HEAD
@@ -261,7 +261,7 @@ def test_served_dtype_other_than_the_checkpoint_falls_back() -> None:
 def test_a_copy_is_not_a_destination(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where served.py reads a weight back through a kernel (CPU), the result is a new tensor:
     writing it would change nothing the engine serves."""
-    from rlinfer_vllm import served
+    from rlinfer_vllm.worker import served
 
     real = served.served_tensors
 
@@ -277,7 +277,7 @@ def test_a_copy_is_not_a_destination(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_layout_the_plan_cannot_read_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    from rlinfer_vllm import served
+    from rlinfer_vllm.worker import served
 
     def broken(model: Any, names: Any, dtype: Any) -> dict[str, Any]:
         raise RuntimeError("unexpected module layout")
@@ -399,7 +399,7 @@ def test_cpu_engine_falls_back_and_keeps_parity(
     backend = engine.async_engine._backend
     if backend.platform != "cpu":
         pytest.skip("the CPU fallback; test_cuda_engine_loads_fast covers CUDA")
-    state = engine._run(backend._rpc("rlinfer_fast_load_state"))
+    state = engine._run(backend.transport.rpc("rlinfer_fast_load_state"))
     assert not state["active"] and "reload mode" in state["reason"]
     # the selection itself on the real module tree: linear layers' weights are read back through
     # their repacked CPU kernels (copies, no slice to write); embeddings and norms are views
@@ -436,7 +436,7 @@ def test_cuda_engine_loads_fast(engine_and_models: tuple[Any, Path, Path], caplo
     greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     if backend.platform != "cuda":
         pytest.skip("needs vLLM on CUDA")
-    state = engine._run(backend._rpc("rlinfer_fast_load_state"))
+    state = engine._run(backend.transport.rpc("rlinfer_fast_load_state"))
     if fast_load.ENV in str(state["reason"]):
         pytest.skip(f"{fast_load.ENV}=0")
     assert state["active"] and state["reason"] is None and len(state["mapped"]) == state["total"]

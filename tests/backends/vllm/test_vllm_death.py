@@ -37,7 +37,7 @@ def test_killed_engine_core_is_engine_dead(engine: Engine) -> None:
     import psutil
 
     backend = engine.async_engine._backend
-    pids = backend.engine_processes()
+    pids = backend.transport.engine_processes()
     core = [pid for pid in pids if "EngineCore" in psutil.Process(pid).name()]
     assert core, [psutil.Process(pid).name() for pid in pids]
     # a long request is in flight when the engine core dies
@@ -63,6 +63,6 @@ def test_killed_engine_core_is_engine_dead(engine: Engine) -> None:
         engine.generate([GenerateRequest(prompt_token_ids=[5], sampling=SamplingParams(max_tokens=2))])
 
     engine.shutdown()
-    assert backend.engine_processes() == []
+    assert backend.transport.engine_processes() == []
     left = [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
     assert not left

@@ -54,7 +54,7 @@ def backend_of(engine: Engine) -> Any:
 def test_engine_runs_in_child_processes(engine: Engine) -> None:
     import psutil
 
-    pids = backend_of(engine).engine_processes()
+    pids = backend_of(engine).transport.engine_processes()
     names = {psutil.Process(pid).name() for pid in pids}
     assert any("EngineCore" in name for name in names), names
 
@@ -126,10 +126,10 @@ def test_shutdown_leaves_no_child_processes(engine: Engine) -> None:
     import psutil
 
     backend = backend_of(engine)
-    pids = backend.engine_processes()
+    pids = backend.transport.engine_processes()
     assert pids
     engine.shutdown()
-    assert backend.engine_processes() == []
+    assert backend.transport.engine_processes() == []
     assert not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
     with pytest.raises(EngineDead):
         engine.async_engine._backend._alive()

@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 
-from rlinfer_vllm.reload_log import FAILED_TO_LOAD, RELOAD_LOGGER, quiet_buffer_only_layers
+from rlinfer_vllm.worker.reload_log import FAILED_TO_LOAD, RELOAD_LOGGER, quiet_buffer_only_layers
 
 
 class RotaryEmbedding(torch.nn.Module):

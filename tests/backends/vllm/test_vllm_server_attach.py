@@ -36,17 +36,18 @@ class External:
     request)."""
 
     def __init__(self, model: Path, base: Path) -> None:
+        from rlinfer_core.server_child import free_port
         from rlinfer_vllm.config import engine_args
-        from rlinfer_vllm.server_mode.launch import ServerProcess, free_port, server_argv
+        from rlinfer_vllm.transport.server_command import server_argv, server_process
 
         config = EngineConfig(model=str(model), enforce_eager=True, **ENGINE_FIELDS)
         port = free_port()
         argv = server_argv(engine_args(config, "cpu"), "127.0.0.1", port)
         at = argv.index("--middleware")
         del argv[at : at + 2]
-        self.process = ServerProcess(argv, log_dir=str(base))
-        self.process.start(port)
-        self.url = self.process.url
+        self.process = server_process(argv, {})
+        self.url = f"http://127.0.0.1:{port}"
+        self.process.start(self.url)
 
     def wait(self) -> None:
         import httpx
@@ -98,7 +99,7 @@ def test_attach_serves_reports_no_processes_and_leaves_the_server_running(
 ) -> None:
     import httpx
 
-    from rlinfer_vllm.server_mode.batch_route import PATH
+    from rlinfer_vllm.api_server.batch_route import PATH
 
     # premise: the server has no batch endpoint, so the greedy batch below went one call each
     assert httpx.post(f"{server.url}{PATH}", json={"requests": []}, timeout=30.0).status_code == 404
@@ -139,7 +140,7 @@ def test_server_options_are_the_engine_arguments() -> None:
     """The launcher spells every engine argument as the ``vllm serve`` option vLLM's parser maps
     back onto the same value (booleans both ways)."""
     from rlinfer_vllm.config import engine_args
-    from rlinfer_vllm.server_mode.launch import SERVER_OVERRIDES, _parser, server_argv
+    from rlinfer_vllm.transport.server_command import SERVER_OVERRIDES, _parser, server_argv
 
     config = EngineConfig(model="/m", enable_prefix_caching=False, enforce_eager=True, **ENGINE_FIELDS)
     kwargs = engine_args(config, "cpu")
@@ -148,11 +149,11 @@ def test_server_options_are_the_engine_arguments() -> None:
         assert parsed[key] == SERVER_OVERRIDES.get(key, value), key
     assert (parsed["host"], parsed["port"], parsed["max_logprobs"]) == ("127.0.0.1", 8123, 21)
     assert parsed["enable_scale_out"] is True
-    assert parsed["middleware"] == ["rlinfer_vllm.server_mode.batch_route.BatchRoute"]
+    assert parsed["middleware"] == ["rlinfer_vllm.api_server.batch_route.BatchRoute"]
 
 
 def test_nothing_listening_is_a_load_error(models: tuple[Path, Path]) -> None:
-    from rlinfer_vllm.server_mode.launch import free_port
+    from rlinfer_core.server_child import free_port
 
     with pytest.raises(BackendLoadError, match="no healthy vLLM server"):
         _attach(models, f"http://127.0.0.1:{free_port()}")

@@ -1,4 +1,4 @@
-"""Server mode's batch endpoint (``rlinfer_vllm.server_mode.batch_route``) in a real ``vllm serve``.
+"""Server mode's batch endpoint (``rlinfer_vllm.api_server.batch_route``) in a real ``vllm serve``.
 
 One launched server (tiny model, CPU) per path of the endpoint: through vLLM's token-endpoint
 handler (vLLM 0.32) and through the engine client (the path vLLM 0.26 takes, forced here with
@@ -37,7 +37,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module", params=["token_handler", "engine_client"])
 def engine(request: pytest.FixtureRequest, model: Path) -> Iterator[Any]:
-    from rlinfer_vllm.server_mode.engine_route import FORCE_ENV
+    from rlinfer_vllm.api_server.engine_route import FORCE_ENV
 
     saved = os.environ.get(FORCE_ENV)
     os.environ[FORCE_ENV] = "1" if request.param == "engine_client" else "0"
@@ -80,7 +80,7 @@ def test_refused_request_in_a_batch_raises_and_the_engine_keeps_serving(engine: 
 def test_malformed_batch_bodies_are_4xx_json(engine: Any) -> None:
     import httpx
 
-    from rlinfer_vllm.server_mode.batch_route import PATH
+    from rlinfer_vllm.api_server.batch_route import PATH
 
     url = _launched_url(engine) + PATH
     bad = httpx.post(url, json={"requests": "not a list"}, timeout=30.0)
@@ -95,7 +95,7 @@ def test_malformed_batch_bodies_are_4xx_json(engine: Any) -> None:
 def test_the_server_reports_which_path_it_runs(engine: Any, request: pytest.FixtureRequest) -> None:
     import httpx
 
-    from rlinfer_vllm.server_mode.engine_route import FEATURES_PATH, VERSION_PATH
+    from rlinfer_vllm.api_server.engine_route import FEATURES_PATH, VERSION_PATH
 
     features = httpx.get(_launched_url(engine) + FEATURES_PATH, timeout=30.0).json()
     via_engine = request.node.callspec.params["engine"] == "engine_client"
@@ -129,7 +129,8 @@ def test_engine_client_answers_read_back_exactly() -> None:
     from vllm.outputs import CompletionOutput, RequestOutput
 
     from rlinfer_core.types import FinishReason
-    from rlinfer_vllm.server_mode import convert, engine_route
+    from rlinfer_vllm import token_endpoint as convert
+    from rlinfer_vllm.api_server import engine_route
 
     def lp(value: float, rank: int) -> Logprob:
         return Logprob(logprob=value, rank=rank)
@@ -186,7 +187,8 @@ def test_compact_answers_read_back_as_the_token_endpoints_answers() -> None:
     """The batch route's compact logprobs (0.32 path: the token endpoint's answer, compacted) read
     back exactly as the token endpoint's own answer does: ranks cut at k, the sampled token's
     logprob also where it is outside the top k, -inf clamped both ways."""
-    from rlinfer_vllm.server_mode import convert, engine_route
+    from rlinfer_vllm import token_endpoint as convert
+    from rlinfer_vllm.api_server import engine_route
 
     def top(*entries: tuple[int, float, int]) -> list[dict[str, Any]]:
         return [{"token_id": t, "logprob": lp, "rank": r} for t, lp, r in entries]

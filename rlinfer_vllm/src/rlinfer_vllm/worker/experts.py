@@ -2,7 +2,7 @@
 the experts read back under their Hugging Face names.
 
 Runs in the worker process (called by :class:`rlinfer_vllm.worker.RLInferWorkerExtension` and
-:mod:`rlinfer_vllm.served`).
+:mod:`rlinfer_vllm.worker.served`).
 
 vLLM fuses a layer's experts into one ``RoutedExperts`` module: ``w13_weight`` ``[E, 2I, H]``
 (every expert's gate rows, then its up rows) and ``w2_weight`` ``[E, H, I]``. The checkpoint

@@ -14,7 +14,7 @@ rlinfer adds the checks. Nothing is written before every name, shape and dtype w
 facade also checked finiteness); an error inside vLLM after that (a CUDA fault) may leave a
 partial update and is reported as such. Where ``load_weights`` is nothing but copies into
 parameter slices (verified architectures, no TP/PP/LoRA), an update whose every tensor has such a
-slice is copied with one batched copy instead (:mod:`rlinfer_vllm.fast_load`;
+slice is copied with one batched copy instead (:mod:`rlinfer_vllm.worker.fast_load`;
 ``RLINFER_VLLM_FAST_LOAD=0`` turns that off).
 
 *Reload* (everything else: CPU, quantized models, MLA, expert kernels with a layout of their
@@ -41,19 +41,19 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from rlinfer_vllm.worker_staging import StagedWeightsWorker
+from rlinfer_vllm.worker.staging import StagedWeightsWorker
 
 if TYPE_CHECKING:
     import torch
 
-    from rlinfer_vllm.fast_load import FastLoader
+    from rlinfer_vllm.worker.fast_load import FastLoader
 
 Pair = tuple[str, "torch.Tensor"]
 
 
 class RLInferWorkerExtension(StagedWeightsWorker):
     """Mixed into vLLM's Worker; every public name starts with ``rlinfer_`` (no clashes). Staged
-    updates: :class:`~rlinfer_vllm.worker_staging.StagedWeightsWorker`."""
+    updates: :class:`~rlinfer_vllm.worker.staging.StagedWeightsWorker`."""
 
     # attributes of vLLM's Worker that this mixin uses
     vllm_config: Any
@@ -98,8 +98,8 @@ class RLInferWorkerExtension(StagedWeightsWorker):
             self._rlinfer_shadow[name] = shadow
         self._rlinfer_shadow_dir = None
         self._rlinfer_group = None
-        from rlinfer_vllm.reload_log import quiet_buffer_only_layers
-        from rlinfer_vllm.served import tied_modules
+        from rlinfer_vllm.worker.reload_log import quiet_buffer_only_layers
+        from rlinfer_vllm.worker.served import tied_modules
 
         self._rlinfer_tied = tied_modules(self.model_runner.get_model())
         self._rlinfer_fast = self._rlinfer_fast_loader() if self._rlinfer_shadow is None else None
@@ -116,7 +116,7 @@ class RLInferWorkerExtension(StagedWeightsWorker):
             return False
         from vllm.model_executor.layers.attention import MLAAttention
 
-        from rlinfer_vllm.experts import in_place_loadable
+        from rlinfer_vllm.worker.experts import in_place_loadable
 
         model = self.model_runner.get_model()
         return in_place_loadable(model) and not any(isinstance(m, MLAAttention) for m in model.modules())
@@ -125,7 +125,7 @@ class RLInferWorkerExtension(StagedWeightsWorker):
         """The batched loader for this in-place engine, or None where it can never apply."""
         import logging
 
-        from rlinfer_vllm.fast_load import FastLoader, ineligible_reason
+        from rlinfer_vllm.worker.fast_load import FastLoader, ineligible_reason
 
         why_not = ineligible_reason(self.vllm_config, self.model_runner.get_model())
         if why_not is not None:
@@ -137,7 +137,7 @@ class RLInferWorkerExtension(StagedWeightsWorker):
     def rlinfer_fast_load_state(self) -> dict[str, Any]:
         """Whether updates can be loaded fast here and why not (``reason``), and how many of the
         checkpoint's tensors have a parameter slice to be copied into (``mapped`` of ``total``)."""
-        from rlinfer_vllm.fast_load import ineligible_reason, parameter_views
+        from rlinfer_vllm.worker.fast_load import ineligible_reason, parameter_views
 
         model = self.model_runner.get_model()
         reason = "reload mode (see rlinfer_loads_in_place)" if self._rlinfer_shadow is not None else None
@@ -314,9 +314,9 @@ class RLInferWorkerExtension(StagedWeightsWorker):
     def rlinfer_weights_checksum(self, tied: dict[str, str]) -> list[tuple[str, str, list[int], str]]:
         """(HF name, dtype, shape, digest) of every checkpoint tensor as the kernels serve it, plus
         the served names in ``tied`` (a tied output head) with the shape of the tensor they tie to.
-        See :mod:`rlinfer_vllm.served`."""
+        See :mod:`rlinfer_vllm.worker.served`."""
         from rlinfer_core.checksum import tensor_checksums
-        from rlinfer_vllm.served import served_tensors
+        from rlinfer_vllm.worker.served import served_tensors
 
         if self.vllm_config.parallel_config.tensor_parallel_size != 1:
             raise NotImplementedError("weight checksums need tensor_parallel_size=1 (each rank holds a shard)")
@@ -330,8 +330,8 @@ class RLInferWorkerExtension(StagedWeightsWorker):
 
     def rlinfer_quantized_check(self) -> dict[str, Any]:
         """On a quantized engine: the served weights against the last sent ones, linear layers
-        within FP8 rounding and the rest bit for bit (see :mod:`rlinfer_vllm.quantized`)."""
-        from rlinfer_vllm.quantized import quantized_check
+        within FP8 rounding and the rest bit for bit (see :mod:`rlinfer_vllm.worker.quantized`)."""
+        from rlinfer_vllm.worker.quantized import quantized_check
 
         shadow = self._rlinfer_shadow
         if shadow is None or self.vllm_config.model_config.quantization is None:
@@ -346,7 +346,7 @@ class RLInferWorkerExtension(StagedWeightsWorker):
     def _rlinfer_apply(self, tensors: Sequence[Pair], map_s: float) -> dict[str, float]:
         """Load ``tensors`` all-or-nothing; return how many, and the seconds spent getting them
         (``map_s``: mapping, reading or receiving) and loading them (``load_s``, checks included);
-        ``fast_load``: 1.0 where one batched copy loaded them (:mod:`rlinfer_vllm.fast_load`), with
+        ``fast_load``: 1.0 where one batched copy loaded them (:mod:`rlinfer_vllm.worker.fast_load`), with
         ``fast_plan_s``, the time spent finding the parameter slices (0 once cached)."""
         from rlinfer_core.fault_plan import planted
 
@@ -452,7 +452,7 @@ class RLInferWorkerExtension(StagedWeightsWorker):
 
     def _rlinfer_after_reload(self) -> None:
         """Redo the kernel processing that vLLM's layer-wise reload skips: tied modules', and the
-        CPU expert kernels' repacking (see :mod:`rlinfer_vllm.experts`).
+        CPU expert kernels' repacking (see :mod:`rlinfer_vllm.worker.experts`).
 
         The reload loads a tied tensor (``model.embed_tokens.weight``) through one module only; the
         module tied to it (``lm_head``) loads nothing, so vLLM puts its old kernel tensors back and
@@ -460,8 +460,8 @@ class RLInferWorkerExtension(StagedWeightsWorker):
         values, but on CPU the GEMM multiplies by a packed copy made at start: the served head kept
         the old weights. Re-processing repacks it from the shared tensor.
         """
-        from rlinfer_vllm.experts import redo_expert_packing
-        from rlinfer_vllm.served import reprocess
+        from rlinfer_vllm.worker.experts import redo_expert_packing
+        from rlinfer_vllm.worker.served import reprocess
 
         reprocess(self._rlinfer_tied)
         redo_expert_packing(self.model_runner.get_model())

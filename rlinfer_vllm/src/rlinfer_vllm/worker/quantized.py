@@ -57,7 +57,7 @@ def quantized_check(model: Any, shadow: Mapping[str, torch.Tensor], dtype: torch
     import torch
 
     from rlinfer_core.quantized import match_quantized, scale_grid
-    from rlinfer_vllm.served import fused_parts, served_tensors
+    from rlinfer_vllm.worker.served import fused_parts, served_tensors
 
     modules = dict(model.named_modules())
     fused = fused_parts(model)

@@ -2,7 +2,7 @@
 
 vLLM 0.26's token endpoint answers without what rlinfer reads from 0.32's: no token ids or ranks
 in ``top_logprobs``, no ``stop_reason``, no per-token weight-version spans (0.26 has no
-``/update_weight_version`` either). On such a server :mod:`rlinfer_vllm.server_mode.batch_route`
+``/update_weight_version`` either). On such a server :mod:`rlinfer_vllm.api_server.batch_route`
 runs each item here instead: the item's body is validated by vLLM's own ``GenerateRequest``, the
 request goes to ``app.state.engine_client.generate`` under the id the token endpoint would give it
 (``generate-tokens-<request_id>``, so ``/abort_requests`` reaches it), and the answer is written
@@ -24,8 +24,8 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rlinfer_vllm.server_mode import convert
-from rlinfer_vllm.server_mode.convert import CLAMPED, ID_PREFIX
+from rlinfer_vllm import token_endpoint
+from rlinfer_vllm.token_endpoint import CLAMPED, ID_PREFIX
 
 #: rlinfer's weight-version label route (served only where this path runs; else 404)
 VERSION_PATH = "/rlinfer/v1/weight_version"
@@ -127,13 +127,13 @@ def _compact_logprobs(token_ids: Sequence[int], rows: Any, with_top: bool) -> di
 
 def compact(answer: dict[str, Any], with_top: bool) -> dict[str, Any]:
     """The token endpoint's answer with each choice's logprobs in the batch route's compact shape
-    (:func:`rlinfer_vllm.server_mode.convert.compact_logprobs`), which the client reads as well as
+    (:func:`rlinfer_vllm.token_endpoint.compact_logprobs`), which the client reads as well as
     the token endpoint's own. For 128 x 512 tokens, building, encoding, decoding and converting the
     per-token dicts took 0.97 s on 2 CPU cores, all after the last token; compact: 0.11 s
     (dev/bench/vllm_server_answer_bench.py). On an H100, server mode lagged in-process by 0.65 s a
     run of that batch (0.937 of its tok/s)."""
     for choice in answer.get("choices") or ():
-        choice.update(convert.compact_logprobs(choice, with_top))
+        choice.update(token_endpoint.compact_logprobs(choice, with_top))
         choice.pop("logprobs", None)
     return answer
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from rlinfer_vllm.server_mode.convert import expand_versions
+from rlinfer_vllm.token_endpoint import expand_versions
 
 
 class StreamVersions:

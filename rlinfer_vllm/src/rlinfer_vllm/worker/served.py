@@ -11,7 +11,7 @@ layer's own ``quant_method.apply`` on an identity matrix returns ``W^T`` exactly
 one weight times 1.0 plus zeros, in the layer's dtype). A tied output head that vLLM failed to
 repack after an update is therefore reported with the values it really multiplies by.
 
-Experts fused into one tensor per layer are read back by :mod:`rlinfer_vllm.experts`. Fused
+Experts fused into one tensor per layer are read back by :mod:`rlinfer_vllm.worker.experts`. Fused
 parameters are sliced back by the layer's ``output_sizes`` (``qkv_proj`` into
 ``q_proj``/``k_proj``/``v_proj``, ``gate_up_proj`` into ``gate_proj``/``up_proj``) following the
 model's ``packed_modules_mapping``; vocabulary padding is cut to the checkpoint's shape.
@@ -130,7 +130,7 @@ def served_tensors(model: Any, names: Mapping[str, tuple[int, ...]], dtype: torc
     A name that maps onto no module of the model, or whose served tensor has another shape, is
     left out (and so reported missing by the comparison, never silently equal).
     """
-    from rlinfer_vllm.experts import served_experts
+    from rlinfer_vllm.worker.experts import served_experts
 
     modules = dict(model.named_modules())
     fused = fused_parts(model)

@@ -1,6 +1,6 @@
 """A batch generate endpoint inside the real ``vllm serve`` process (an ASGI middleware).
 
-``vllm serve --middleware rlinfer_vllm.server_mode.batch_route.BatchRoute`` (rlinfer's launcher
+``vllm serve --middleware rlinfer_vllm.api_server.batch_route.BatchRoute`` (rlinfer's launcher
 passes it) answers ``POST /rlinfer/v1/generate_batch`` with body ``{"requests": [...]}``, each item
 the JSON body of vLLM's token endpoint ``/inference/v1/generate`` (``stream: false``). Every item
 goes through the server's own handler of that endpoint (``app.state.serving_tokens.serve_tokens``:
@@ -17,7 +17,7 @@ them in the engine (as a dropped connection does on the token endpoint); ``/abor
 (``--api-key`` / ``VLLM_API_KEY``) the route asks for one, as vLLM's guarded routes do.
 
 On a vLLM whose token endpoint lacks what rlinfer reads (0.26: see
-:mod:`rlinfer_vllm.server_mode.engine_route`) the items go to the engine client directly and the
+:mod:`rlinfer_vllm.api_server.engine_route`) the items go to the engine client directly and the
 answers are written in 0.32's shape; the route then also serves ``POST /rlinfer/v1/weight_version``.
 ``GET /rlinfer/v1/features`` tells the client which of these the server runs.
 
@@ -32,7 +32,7 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from rlinfer_vllm.server_mode import engine_route
+from rlinfer_vllm.api_server import engine_route
 
 PATH = "/rlinfer/v1/generate_batch"
 
@@ -124,8 +124,8 @@ async def _post_body(scope: Scope, receive: Receive, send: Send, path: str) -> b
 
 async def _one(app: Any, scope: Scope, item: Any) -> tuple[int, Any]:
     """(status, body) of one item, as ``/inference/v1/generate`` answers it (on an older vLLM: as
-    0.32's answers it, through :mod:`rlinfer_vllm.server_mode.engine_route`), its logprobs in the
-    compact shape of :func:`rlinfer_vllm.server_mode.engine_route.compact`."""
+    0.32's answers it, through :mod:`rlinfer_vllm.api_server.engine_route`), its logprobs in the
+    compact shape of :func:`rlinfer_vllm.api_server.engine_route.compact`."""
     import pydantic
     from fastapi.exceptions import RequestValidationError
     from starlette.requests import Request

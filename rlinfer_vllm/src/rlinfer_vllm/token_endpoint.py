@@ -2,7 +2,7 @@
 back to :class:`Completion` / :class:`CompletionDelta`.
 
 The sampling fields are vLLM's own ``SamplingParams`` (the server parses them into it), mapped as
-in-process (:func:`rlinfer_vllm.convert.sampling_params`). Logprobs come back per position as the
+in-process (:func:`rlinfer_vllm.engine_io.sampling_params`). Logprobs come back per position as the
 sampled token's entry plus a ``top_logprobs`` list cut to the first ``k`` entries of a dict that
 starts with the sampled token; so the server is asked for ``k + 1`` alternatives and the top ``k``
 are picked by rank (which always leaves exactly the engine's top ``k``).
@@ -27,7 +27,7 @@ from rlinfer_core.types import (
     GenerateRequest,
     LogprobsMode,
 )
-from rlinfer_vllm.convert import engine_n, finish_reason
+from rlinfer_vllm.engine_io import engine_n, finish_reason
 
 #: vLLM clamps -inf logprobs to this in its HTTP answers
 CLAMPED = -9999.0

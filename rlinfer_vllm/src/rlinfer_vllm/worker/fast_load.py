@@ -17,7 +17,7 @@ slice of a parameter (checked against vLLM 0.26's source):
 - ``UnquantizedLinearMethod``/``UnquantizedEmbeddingMethod.process_weights_after_loading`` do
   nothing on CUDA (they repack on CPU only), so nothing has to run after the copies.
 
-:func:`parameter_views` finds those slices once (via :func:`rlinfer_vllm.served.served_tensors`,
+:func:`parameter_views` finds those slices once (via :func:`rlinfer_vllm.worker.served.served_tensors`,
 which maps checkpoint names onto the tensors the engine serves) and keeps a name only where its
 slice is a contiguous view into a parameter's storage with the checkpoint's dtype and shape, and
 shares no byte with another name's slice. A tied head is one parameter (Qwen2 and Llama make
@@ -115,7 +115,7 @@ def parameter_views(model: Any, specs: Specs, served_dtype: torch.dtype) -> dict
     """Checkpoint name -> the slice of a parameter that ``load_weights`` writes it to, for every
     name that has one with the checkpoint's dtype and shape (see the module docstring); names in
     :func:`skipped_names` have none."""
-    from rlinfer_vllm.served import served_tensors
+    from rlinfer_vllm.worker.served import served_tensors
 
     storages = {p.untyped_storage().data_ptr() for p in model.parameters() if p.numel() > 0}
     skipped = skipped_names(model, specs)
