@@ -138,16 +138,12 @@ class ControlPlane:
                 if isinstance(self._replay, StagedParts):  # a staged commit of several parts
                     await self._replay.load(self.replicas, replica, self._version, self.config.request_timeout_s)
                 else:
-                    await self.replicas.call(
-                        replica,
-                        "update_weights",
-                        self._replay,
-                        version=self._version,
-                        timeout=self.config.request_timeout_s,
-                    )
+                    await self.replicas.load(replica, self._replay, self._version, self.config.request_timeout_s)
             replica.version = self._version
             if self._paused is not None:
-                await self.replicas.call(replica, "pause", self._paused, timeout=self.pool_config.control_timeout_s)
+                await self.replicas.call(
+                    replica, "rlinfer_pause", self._paused, timeout=self.pool_config.control_timeout_s
+                )
             replica.state = State.SERVING
 
     async def wait_ready(self, timeout_s: float = 600.0) -> None:
@@ -197,9 +193,7 @@ class ControlPlane:
 
         async def load(r: Replica) -> Any:
             try:
-                return await self.replicas.call(
-                    r, "update_weights", shipped, version=target, timeout=self.config.request_timeout_s
-                )
+                return await self.replicas.load(r, shipped, target, self.config.request_timeout_s)
             finally:
                 answered[r.index] = time.perf_counter() - fanned
 
@@ -260,7 +254,7 @@ class ControlPlane:
             members,
             lambda r: self.replicas.call(
                 r,
-                "init_weight_broadcast",
+                "rlinfer_init_weight_broadcast",
                 attrs.evolve(group, rank_offset=offsets[r.index]),
                 timeout=group.timeout_s + 60.0,
             ),
@@ -274,7 +268,7 @@ class ControlPlane:
         members = self.replicas.serving()
         timeout = self.config.request_timeout_s
         results = await self.replicas.fan_out(
-            members, lambda r: self.replicas.call(r, "weights_checksum", timeout=timeout)
+            members, lambda r: self.replicas.call(r, "rlinfer_weights_checksum", timeout=timeout)
         )
         self._raise_first(results)
         per = {i: res for i, res in results.items() if not isinstance(res, BaseException)}
@@ -296,7 +290,9 @@ class ControlPlane:
 
         out: dict[str, int] = {}
         for r in self.replicas.alive():
-            status, value = ray.get(r.actor.call.remote("engine_processes"), timeout=self.pool_config.control_timeout_s)
+            status, value = ray.get(
+                r.actor.call.remote("rlinfer_engine_processes"), timeout=self.pool_config.control_timeout_s
+            )
             if status == "ok":
                 out.update({f"replica{r.index}.{role}": pid for role, pid in value.items()})
             if r.pid is not None:

@@ -27,7 +27,7 @@ from rlinfer_ray.replicas import Replica, death_message, raise_dead
 if TYPE_CHECKING:
     from rlinfer_ray.router import Router
 
-#: slack over request_timeout_s for a replica's reply (its own facade times out first)
+#: slack over request_timeout_s for a replica's reply (the facade times out first and aborts)
 REPLY_SLACK_S = 30.0
 
 
@@ -127,7 +127,10 @@ class DataPlane(ControlPlane):
             self._routes.setdefault(rid, set()).add(route)
         try:
             completions = await self.replicas.call(
-                replica, "generate", [p.sub for p in pieces], timeout=self.config.request_timeout_s + REPLY_SLACK_S
+                replica,
+                "rlinfer_generate",
+                [p.sub for p in pieces],
+                timeout=self.config.request_timeout_s + REPLY_SLACK_S,
             )
         except Exception as exc:
             if not is_replica_death(exc):
@@ -220,7 +223,7 @@ class DataPlane(ControlPlane):
         if request_ids is None:
             results = await self.replicas.fan_out(
                 self.replicas.serving(),
-                lambda r: self.replicas.call_raw(r, r.actor.abort.remote(None), timeout, "abort"),
+                lambda r: self.replicas.call_raw(r, r.actor.call.remote("rlinfer_abort", None), timeout, "abort"),
             )
             self._raise_first(results)
             return
@@ -231,7 +234,9 @@ class DataPlane(ControlPlane):
         members = [r for r in self.replicas.serving() if r.index in per_replica]
         results = await self.replicas.fan_out(
             members,
-            lambda r: self.replicas.call_raw(r, r.actor.abort.remote(per_replica[r.index]), timeout, "abort"),
+            lambda r: self.replicas.call_raw(
+                r, r.actor.call.remote("rlinfer_abort", per_replica[r.index]), timeout, "abort"
+            ),
         )
         self._raise_first(results)
 
@@ -244,6 +249,6 @@ class DataPlane(ControlPlane):
         index = self.router.pick(candidates, {r.index: r.load for r in self.replicas.replicas})
         replica = self.replicas.replicas[index]
         result: int = await self.replicas.call(
-            replica, "bench_raw_generate", list(requests), timeout=self.config.request_timeout_s
+            replica, "rlinfer_bench_raw_generate", list(requests), timeout=self.config.request_timeout_s
         )
         return result

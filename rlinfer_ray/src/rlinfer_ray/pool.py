@@ -32,7 +32,7 @@ from rlinfer_ray.staging import PoolStaging
 if TYPE_CHECKING:
     from rlinfer_core.discovery import BackendInfo
     from rlinfer_core.engine import AsyncEngine, Engine
-    from rlinfer_core.lora import LoraAdapter, LoraInfo
+    from rlinfer_core.lora import LoraAdapter
     from rlinfer_core.model_info import ModelInfo
     from rlinfer_core.tools import ToolCalls, ToolSpec
     from rlinfer_core.weights import TensorSpec
@@ -145,7 +145,7 @@ class PoolBackend(PoolStaging, DataPlane):
     @hookimpl
     async def rlinfer_check_health(self) -> None:
         """Check every serving replica; dead ones are restarted. EngineDead when none can serve."""
-        await self._control("check_health", self.replicas.serving())
+        await self._control("rlinfer_check_health", self.replicas.serving())
         if not self.replicas.serving():
             raise EngineDead(f"no replica of the pool is serving: {self.replica_states()}")
 
@@ -170,14 +170,14 @@ class PoolBackend(PoolStaging, DataPlane):
     @hookimpl
     async def rlinfer_pause(self, mode: PauseMode) -> None:
         """Pause every serving replica (a replica restarted meanwhile is paused as it re-syncs)."""
-        await self._control("pause", self.replicas.serving(), mode, timeout=self.config.request_timeout_s)
+        await self._control("rlinfer_pause", self.replicas.serving(), mode, timeout=self.config.request_timeout_s)
         self._paused = mode
 
     @hookimpl
     async def rlinfer_resume(self) -> None:
         """Resume every serving replica."""
         try:
-            await self._control("resume", self.replicas.serving())
+            await self._control("rlinfer_resume", self.replicas.serving())
         finally:
             self._paused = None
 
@@ -186,23 +186,23 @@ class PoolBackend(PoolStaging, DataPlane):
         """Release ``tags`` on every replica (``discard_weights`` never comes: :data:`POOL_UNSUPPORTED`)."""
         if discard_weights:
             raise InvalidRequest("discard_weights", POOL_UNSUPPORTED[Capability.MEMORY_DISCARD_WEIGHTS])
-        await self._control("release_memory", self.replicas.serving(), tags, timeout=300.0)
+        await self._control("rlinfer_release_memory", self.replicas.serving(), tags, timeout=300.0)
 
     @hookimpl
     async def rlinfer_resume_memory(self, tags: frozenset[MemoryTag]) -> None:
         """Resume ``tags`` on every replica."""
-        await self._control("resume_memory", self.replicas.serving(), tags, timeout=300.0)
+        await self._control("rlinfer_resume_memory", self.replicas.serving(), tags, timeout=300.0)
 
     @hookimpl
     async def rlinfer_reset_prefix_cache(self) -> None:
         """Drop cached prefixes on every replica."""
-        await self._control("reset_prefix_cache", self.replicas.serving())
+        await self._control("rlinfer_reset_prefix_cache", self.replicas.serving())
 
     @hookimpl
     async def rlinfer_bench_raw_weight_update(self, path: str) -> None:
         """Every replica's own reload from a safetensors directory (unversioned bench baseline)."""
         await self._control(
-            "bench_raw_weight_update", self.replicas.serving(), path, timeout=self.config.request_timeout_s
+            "rlinfer_bench_raw_weight_update", self.replicas.serving(), path, timeout=self.config.request_timeout_s
         )
 
     @hookimpl
@@ -210,7 +210,7 @@ class PoolBackend(PoolStaging, DataPlane):
         """Answered by one serving replica (an awaitable: the facade awaits what it gets)."""
         replica = self.replicas.serving()[0] if self.replicas.serving() else self.replicas.replicas[0]
         reply = self.replicas.call(
-            replica, "parse_tool_calls", text, parser, list(tools), timeout=self.pool_config.control_timeout_s
+            replica, "rlinfer_parse_tool_calls", text, parser, list(tools), timeout=self.pool_config.control_timeout_s
         )
         return cast("ToolCalls", reply)
 
@@ -228,18 +228,18 @@ class PoolBackend(PoolStaging, DataPlane):
         not get adapters back: load them again (docs/fleet.md)."""
         import ray
 
-        await self._fan_lora("update_lora" if replace else "load_lora", ray.put(adapter))
+        await self._fan_lora("rlinfer_load_lora", ray.put(adapter), replace)
 
     @hookimpl
     async def rlinfer_unload_lora(self, name: str) -> None:
         """Unload ``name`` on every serving replica."""
-        await self._fan_lora("unload_lora", name)
+        await self._fan_lora("rlinfer_unload_lora", name)
 
     @hookimpl
     async def rlinfer_list_loras(self) -> Sequence[str]:
         """The adapters of the first serving replica."""
-        infos: list[LoraInfo] = await self._fan_lora("list_loras")
-        return [i.name for i in infos or ()]
+        names: Sequence[str] = await self._fan_lora("rlinfer_list_loras")
+        return list(names or ())
 
 
 async def open_async_pool(

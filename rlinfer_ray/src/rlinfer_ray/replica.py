@@ -1,4 +1,12 @@
-"""One replica: an :class:`rlinfer_core.engine.AsyncEngine` of any backend inside a Ray actor.
+"""One replica: the bare backend object of any rlinfer backend inside a Ray actor.
+
+The facade (validation, admission, versions, stagings, the pause gate) runs once, in the pool's
+process; a replica only forwards the operation hooks the pool calls to its backend. Two things
+stay here because only the replica can do them: an update (or a staged commit) is verified
+against the tensors it carried when ``EngineConfig.verify_updates`` is on (the replica holds
+them; a replica that does not serve them fails the load and is restarted), and an untyped
+failure of a hook is reported as EngineDead when the engine no longer answers its health check
+(so the pool retries the work elsewhere and restarts the replica).
 
 The actor answers every call with ``("ok", value)`` or ``("err", packed_error)`` so that the
 contract's typed errors (InvalidRequest with its field, WeightUpdateError with its problems, ...)
@@ -11,19 +19,19 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from typing import Any
 
 import attrs
 
 from rlinfer_core import errors
-from rlinfer_core.types import EngineConfig, GenerateRequest
+from rlinfer_core.types import Capability, EngineConfig, GenerateRequest
+from rlinfer_core.weights import BroadcastSource, WeightSource, WeightUpdate
 
 Reply = tuple[str, Any]
 
-#: how long an abort keeps re-aborting requests that are still in flight
-ABORT_SETTLE_S = 2.0
+#: how long a replica waits for its engine's health check after an untyped failure
+HEALTH_TIMEOUT_S = 10.0
 #: attributes of an rlinfer error that are carried along with its message
 _ERROR_ATTRS = ("field", "problems", "capability", "backend", "reason")
 #: engine_kwargs a replica's engine gets for tensor_parallel_size > 1 unless the caller set them.
@@ -79,24 +87,38 @@ class ReplicaActor:
 
     def __init__(self, index: int) -> None:
         self.index = index
-        self.engine: Any = None
-        #: the engine's open staged updates, by the pool's staging id (rlinfer_ray.staging)
-        self.stagings: dict[str, Any] = {}
+        self.backend: Any = None
+        self.config: EngineConfig | None = None
+        self.verify = False
+        self.tied: Mapping[str, str] = {}
+        #: the sources staged under each open staging id (verified at commit)
+        self.staged: dict[str, list[WeightSource]] = {}
 
     async def start(self, backend: str, config: EngineConfig) -> Reply:
-        """Open the engine; returns what the pool mirrors (capabilities, model info, specs)."""
-        from rlinfer_core.engine import AsyncEngine
+        """Build and start the backend; returns what the pool mirrors (capabilities, model info, specs)."""
+        from rlinfer_core.backend import claimed_but_missing
+        from rlinfer_core.discovery import get_backend
 
         try:
-            self.engine = await AsyncEngine.open(
-                backend, replica_config(backend, config), load_entry_point_plugins=False
-            )
+            info = get_backend(backend)
+            self.config = replica_config(backend, config)
+            self.backend = info.create(self.config)
+            await self.backend.rlinfer_start(self.config)
+            capabilities = self.backend.rlinfer_capabilities()
+            dishonest = claimed_but_missing(self.backend, capabilities.supported)
+            if dishonest:
+                raise errors.BackendLoadError(
+                    f"backend {backend!r} claims capabilities without their hooks: {dishonest}"
+                )
+            model_info = self.backend.rlinfer_model_info()
+            self.verify = config.verify_updates and capabilities.supports(Capability.WEIGHTS_CHECKSUM)
+            self.tied = model_info.tied_weights
             return (
                 "ok",
                 {
-                    "capabilities": self.engine.capabilities,
-                    "model_info": self.engine.model_info,
-                    "weight_specs": dict(self.engine.weight_specs),
+                    "capabilities": capabilities,
+                    "model_info": model_info,
+                    "weight_specs": dict(self.backend.rlinfer_weight_specs()),
                     "pid": os.getpid(),
                     "node_id": _node_id(),
                     "procs": self._engine_procs(),
@@ -105,83 +127,114 @@ class ReplicaActor:
         except Exception as exc:
             return ("err", pack_error(exc))
 
-    async def call(self, method: str, *args: Any, **kwargs: Any) -> Reply:
-        """Await ``engine.method(*args, **kwargs)`` (or read a property when ``method`` names one)."""
-        try:
-            if self.engine is None:
-                raise errors.EngineDead(f"replica {self.index} has no engine (start failed or not called)")
-            target = getattr(self.engine, method)
-            value = target(*args, **kwargs) if callable(target) else target
-            if asyncio.iscoroutine(value):
-                value = await value
-            return ("ok", dict(value) if isinstance(value, Mapping) else value)
-        except Exception as exc:
-            return ("err", pack_error(exc))
+    async def call(self, hook: str, *args: Any) -> Reply:
+        """Await the backend's ``hook(*args)`` (a sync hook's value is returned as is)."""
+        return await self._reply(lambda: getattr(self._engine(), hook)(*args))
 
-    async def staging(self, op: str, staging_id: str, *args: Any, **kwargs: Any) -> Reply:
-        """A staged update on this replica's engine, its handle kept here under the pool's
-        ``staging_id``: ``stage`` (update, version=...), ``add`` (update), ``commit``, ``cancel``
-        (nothing to do when nothing is staged under the id). Replies with the staged bytes, or
-        with the version a commit made live."""
-        try:
-            if self.engine is None:
-                raise errors.EngineDead(f"replica {self.index} has no engine")
-            value: Any = None
+    async def update_weights(self, source: WeightSource, version: int) -> Reply:
+        """Load ``source`` (validated by the pool's facade) as ``version``, then verify it."""
+
+        async def load() -> None:
+            await self._engine().rlinfer_update_weights(WeightUpdate(source, version=version))
+            await self._verify([source])
+
+        return await self._reply(load)
+
+    async def staging(self, op: str, staging_id: str, *args: Any) -> Reply:
+        """A staged update on this replica's backend: ``stage`` (source, version), ``commit``
+        (version; then verified), ``cancel`` (nothing to do when nothing is staged under the id)."""
+
+        async def run() -> None:
+            engine = self._engine()
             if op == "stage":
-                handle = await self.engine.stage_weights(*args, **kwargs)
-                self.stagings[staging_id] = handle
-                value = handle.staged_bytes
-            elif op == "add":
-                value = await self.stagings[staging_id].add(*args)
+                source, version = args
+                self.staged.setdefault(staging_id, []).append(source)
+                await engine.rlinfer_stage_weights(staging_id, WeightUpdate(source, version=version))
             elif op == "commit":
-                value = await self.stagings.pop(staging_id).commit()
+                await engine.rlinfer_commit_staged_weights(staging_id, *args)
+                await self._verify(self.staged.pop(staging_id, []))
             elif op == "cancel":
-                handle = self.stagings.pop(staging_id, None)
-                if handle is not None:
-                    await handle.cancel()
+                if self.staged.pop(staging_id, None) is not None:
+                    await engine.rlinfer_cancel_staged_weights(staging_id)
             else:
                 raise ValueError(f"unknown staging op {op!r}")
-            return ("ok", value)
-        except Exception as exc:
-            if op in ("add", "commit") and staging_id in self.stagings and self.stagings[staging_id].state != "open":
-                self.stagings.pop(staging_id)  # the engine ended it (a failure inside the engine)
-            return ("err", pack_error(exc))
 
-    async def abort(self, request_ids: list[str] | None) -> Reply:
-        """Abort, then abort again (briefly) what is still in flight: a request the facade had
-        admitted but the engine had not registered yet when the first abort came is not lost."""
-        try:
-            if self.engine is None:
-                raise errors.EngineDead(f"replica {self.index} has no engine")
-            targets = set(self.engine.in_flight if request_ids is None else request_ids)
-            await self.engine.abort(request_ids)
-            deadline = time.monotonic() + ABORT_SETTLE_S
-            while (left := targets & self.engine.in_flight) and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-                await self.engine.abort(sorted(left))
-            return ("ok", None)
-        except Exception as exc:
-            return ("err", pack_error(exc))
+        return await self._reply(run)
 
     async def stream(self, request: GenerateRequest) -> AsyncIterator[Reply]:
         """Stream one request's deltas (a Ray streaming generator)."""
         try:
-            async for delta in self.engine.stream(request):
+            async for delta in self._engine().rlinfer_generate_stream(request):
                 yield ("ok", delta)
         except Exception as exc:
-            yield ("err", pack_error(exc))
+            yield ("err", pack_error(await self._typed(exc)))
+
+    async def shutdown(self) -> None:
+        """Stop the backend's engine (the pool bounds it, then kills the actor)."""
+        if self.backend is not None:
+            await self.backend.rlinfer_shutdown()
 
     def pid(self) -> int:
         """The actor's process id."""
         return os.getpid()
 
+    # --- helpers -------------------------------------------------------------------------------
+
+    def _engine(self) -> Any:
+        if self.backend is None:
+            raise errors.EngineDead(f"replica {self.index} has no engine (start failed or not called)")
+        return self.backend
+
+    async def _reply(self, call: Any) -> Reply:
+        try:
+            value = call()
+            if isinstance(value, Awaitable):
+                value = await value
+            return ("ok", dict(value) if isinstance(value, Mapping) else value)
+        except Exception as exc:
+            return ("err", pack_error(await self._typed(exc)))
+
+    async def _typed(self, exc: Exception) -> BaseException:
+        """``exc``, or EngineDead when it is untyped and the engine no longer answers."""
+        if isinstance(exc, errors.RLInferError) or self.backend is None:
+            return exc
+        try:
+            await asyncio.wait_for(self.backend.rlinfer_check_health(), timeout=HEALTH_TIMEOUT_S)
+        except errors.EngineDead as dead:
+            return dead
+        except TimeoutError:
+            return errors.EngineDead(f"replica {self.index}: the engine stopped answering after: {exc}")
+        except Exception:
+            return exc
+        return exc
+
+    async def _verify(self, sources: list[WeightSource]) -> None:
+        """The engine's checksums of the tensors ``sources`` carried against those tensors."""
+        from rlinfer_core.checksum import verify
+        from rlinfer_core.engine_weights import sent_tensors
+
+        sent = [pair for s in sources if not isinstance(s, BroadcastSource) for pair in sent_tensors(s)]
+        if not self.verify or not sent:
+            return
+        result = verify(await self._engine().rlinfer_weights_checksum(), sent, self.tied)
+        if not result.ok:
+            raise errors.WeightVerificationError(
+                f"replica {self.index} loaded the update but does not serve it as sent ({len(result.mismatched)} "
+                f"tensors differ, {len(result.missing)} not reported)",
+                result.mismatched,
+                result.missing,
+            )
+
     def _engine_procs(self) -> list[tuple[int, float]]:
         """(pid, start time) of the engine's processes (Ray kills them with the actor's process group)."""
         import psutil
 
+        hook = getattr(self.backend, "rlinfer_engine_processes", None)
+        if hook is None:
+            return []
         try:
-            pids = list(self.engine.engine_processes().values())
-        except errors.RLInferError:  # the backend does not report them
+            pids = list(hook().values())
+        except errors.RLInferError:  # the backend does not report them here
             return []
         out = []
         for pid in pids:

@@ -95,9 +95,14 @@ class ReplicaSet:
         replica.version = 0
         return info
 
-    async def call(self, replica: Replica, method: str, *args: Any, timeout: float, **kwargs: Any) -> Any:
-        """``engine.method(...)`` on one replica, bounded by ``timeout``; typed errors come back typed."""
-        return await self.call_raw(replica, replica.actor.call.remote(method, *args, **kwargs), timeout, method)
+    async def call(self, replica: Replica, hook: str, *args: Any, timeout: float) -> Any:
+        """The backend's operation ``hook(*args)`` on one replica, bounded by ``timeout``; typed
+        errors come back typed."""
+        return await self.call_raw(replica, replica.actor.call.remote(hook, *args), timeout, hook)
+
+    async def load(self, replica: Replica, source: Any, version: int, timeout: float) -> None:
+        """Load ``source`` (or the object-store reference to it) on one replica as ``version``."""
+        await self.call_raw(replica, replica.actor.update_weights.remote(source, version), timeout, "update_weights")
 
     async def call_raw(self, replica: Replica, ref: Any, timeout: float, what: str) -> Any:
         """Await a replica reply ``ref``; EngineTimeout after ``timeout`` (the task is cancelled)."""
@@ -129,7 +134,7 @@ class ReplicaSet:
         if actor is None:
             return
         with contextlib.suppress(Exception):  # a dead actor answers with an error at once
-            await asyncio.wait_for(actor.call.remote("shutdown"), timeout=SHUTDOWN_TIMEOUT_S)
+            await asyncio.wait_for(actor.call.remote("rlinfer_shutdown"), timeout=SHUTDOWN_TIMEOUT_S)
         with contextlib.suppress(Exception):
             ray.kill(actor, no_restart=True)
         # no reaping needed: Ray kills the process group of a worker that exits, engine processes included

@@ -45,17 +45,11 @@ class StagedParts:
         """Stage every part on ``replica`` and commit them as ``version``."""
         staging_id = f"resync-{uuid.uuid4().hex}"
         try:
-            await replicas.call_raw(
-                replica,
-                replica.actor.staging.remote("stage", staging_id, self.parts[0], version=version),
-                timeout,
-                "stage_weights",
-            )
-            for part in self.parts[1:]:
-                await replicas.call_raw(
-                    replica, replica.actor.staging.remote("add", staging_id, part), timeout, "stage"
-                )
-            await replicas.call_raw(replica, replica.actor.staging.remote("commit", staging_id), timeout, "commit")
+            for part in self.parts:
+                ref = replica.actor.staging.remote("stage", staging_id, part, version)
+                await replicas.call_raw(replica, ref, timeout, "stage_weights")
+            ref = replica.actor.staging.remote("commit", staging_id, version)
+            await replicas.call_raw(replica, ref, timeout, "commit_staged_weights")
         except BaseException:
             with contextlib.suppress(Exception):
                 await replicas.call_raw(replica, replica.actor.staging.remote("cancel", staging_id), 60.0, "cancel")
@@ -95,10 +89,7 @@ class PoolStaging(ControlPlane):
             timeout = self.config.request_timeout_s
 
             def stage(r: Replica) -> Any:
-                if first:
-                    ref = r.actor.staging.remote("stage", staging_id, shipped, version=update.version)
-                else:
-                    ref = r.actor.staging.remote("add", staging_id, shipped)
+                ref = r.actor.staging.remote("stage", staging_id, shipped, update.version)
                 return self.replicas.call_raw(r, ref, timeout, "stage_weights")
 
             results = await self.replicas.fan_out(members, stage)
@@ -122,7 +113,7 @@ class PoolStaging(ControlPlane):
             results = await self.replicas.fan_out(
                 members,
                 lambda r: self.replicas.call_raw(
-                    r, r.actor.staging.remote("commit", staging_id), timeout, "commit_staged_weights"
+                    r, r.actor.staging.remote("commit", staging_id, version), timeout, "commit_staged_weights"
                 ),
             )
             parts = tuple(self._staged_parts)
