@@ -16,14 +16,14 @@ from typing import Any
 import attrs
 
 from rlinfer_core.types import GenerateRequest, SamplingParams
-from rlinfer_sglang import convert
+from rlinfer_sglang import outputs
 from rlinfer_sglang.versions import TokenVersions
 
 REQUESTS, TOKENS, REPEATS = 128, 512, 5
 H100_BATCH_S = REQUESTS * TOKENS / 38_000
 
 
-def outputs() -> list[dict[str, Any]]:
+def fake_outputs() -> list[dict[str, Any]]:
     rng = random.Random(0)
     made = []
     for _ in range(REQUESTS):
@@ -41,13 +41,13 @@ def main() -> None:
     requests = [
         GenerateRequest(prompt_token_ids=[1] * 128, sampling=sampling, request_id=f"r{i}") for i in range(REQUESTS)
     ]
-    outs = outputs()
+    outs = fake_outputs()
     versions = TokenVersions()
     samples = []
     for _ in range(REPEATS):
         t0 = time.perf_counter()
         for k, (request, out) in enumerate(zip(requests, outs, strict=True)):
-            c = convert.completion(request, 0, request.prompt_token_ids or (), out, 1.0)
+            c = outputs.completion(request, 0, request.prompt_token_ids or (), out, 1.0)
             attrs.evolve(c, token_versions=versions.of(f"rid{k}", len(c.token_ids)))
         samples.append(time.perf_counter() - t0)
     cost = statistics.median(samples)

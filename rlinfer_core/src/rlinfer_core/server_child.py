@@ -1,7 +1,7 @@
 """An engine's HTTP server as a child process: free port, launch, wait for health, track, stop.
 
 Engine-agnostic (no engine import): the server-mode backends (``rlinfer_vllm.server_mode``,
-``rlinfer_sglang.server_mode``) give it the command line and a name for each process role. The
+``rlinfer_sglang.transport.http``) give it the command line and a name for each process role. The
 server runs in its own session (a Ctrl-C in the caller's terminal reaches only the caller, whose
 shutdown then stops the server in order) and writes its output to a log file whose tail is shown
 when it fails to start. Needs psutil and httpx (``rlinfer-core[backend]`` plus the engine's own

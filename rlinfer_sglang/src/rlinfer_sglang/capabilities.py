@@ -172,7 +172,7 @@ ROUTES_CPU_NOTE = (
     "SGLang's routed-experts capture (--enable-return-routed-experts, per request return_routed_experts); "
     "needs EngineConfig(enable_routed_experts=True) and an MoE model. On CPU rlinfer allocates SGLang's "
     "host routing buffer unpinned in the scheduler (SGLang pins it with cudaHostRegister, which CPU "
-    "torch lacks: rlinfer_sglang.cpu_routes)"
+    "torch lacks: rlinfer_sglang.scheduler.cpu_routes)"
 )
 ROUTES_CUDA_NOTE = (
     "not claimed: SGLang's capture is mapped (EngineConfig.enable_routed_experts), but the kit's "
@@ -242,7 +242,7 @@ LORA_OFF_NOTE = (
     "the adapters' rank and lora_target_modules (e.g. 'all')"
 )
 
-#: FP8 rollout from BF16 training (rlinfer_sglang.requantize)
+#: FP8 rollout from BF16 training (rlinfer_sglang.scheduler.requantize)
 QUANTIZED_RELOAD_CPU_NOTE = (
     "SGLang's FP8 linear method needs AMX on CPU: sglang 0.5.23 started with quantization='fp8' dies while "
     "loading (fp8.py process_weights_after_loading: 'Fp8LinearMethod on CPU requires that CPU has AMX support'; "
@@ -252,7 +252,7 @@ QUANTIZED_RELOAD_CUDA_NOTE = (
     "engine_kwargs quantization='fp8' on a BF16 checkpoint: SGLang quantizes online at start but never again "
     "(update_weights_from_tensor loads into the FP8 parameters); rlinfer's scheduler-side loader gives each FP8 "
     "linear layer a BF16 weight with its loader, loads the update, re-runs SGLang's FP8 quantization and copies "
-    "the new codes and scales into the served tensors (rlinfer_sglang.requantize). weight_specs are the "
+    "the new codes and scales into the served tensors (rlinfer_sglang.scheduler.requantize). weight_specs are the "
     "checkpoint's; weights.checksum is not claimed on CUDA; block FP8, FP8 checkpoints and FP8 MoE are refused"
 )
 
@@ -396,3 +396,19 @@ def describe() -> Capabilities:
     """Capabilities of this machine's SGLang, without importing SGLang."""
     version = installed_version()
     return capabilities(installed_platform(), f"sglang {version}" if version else "not installed")
+
+
+AMX_NOTE = (
+    "sgl-kernel's CPU ops are installed: SGLang repacks linear weights for AMX after loading, so "
+    "model.named_parameters() is not what the kernels read"
+)
+
+
+def amx_repacks() -> bool:
+    """True when SGLang's CPU path repacks weights (a real CPU sgl-kernel with AMX ops)."""
+    try:
+        from sglang.srt.utils.common import cpu_has_amx_support
+
+        return bool(cpu_has_amx_support())
+    except Exception:
+        return False

@@ -55,8 +55,8 @@ from rlinfer_core.routing import moe_shape
 from rlinfer_core.types import EngineConfig
 from rlinfer_sglang.capabilities import BACKEND, PARALLEL_UNSUPPORTED, Platform
 
-#: the scheduler-side loader (see rlinfer_sglang.scheduler_side) every engine is started with
-WEIGHT_LOADER = "rlinfer_sglang.scheduler_side.load"
+#: the scheduler-side loader (see rlinfer_sglang.scheduler.loader) every engine is started with
+WEIGHT_LOADER = "rlinfer_sglang.scheduler.loader.load"
 
 CPU_DEFAULT_MEM_FRACTION = 0.05
 #: the KV cache of a CPU engine started without kv_cache_memory_bytes (see the module docstring)
@@ -215,7 +215,7 @@ def server_args(config: EngineConfig, platform: Platform) -> dict[str, Any]:
     if WEIGHT_LOADER not in loaders:
         loaders.append(WEIGHT_LOADER)
     if routes and platform == "cpu":
-        from rlinfer_sglang.cpu_routes import LoaderName
+        from rlinfer_sglang.scheduler.cpu_routes import LoaderName
 
         loaders = [LoaderName(name) if name == WEIGHT_LOADER else name for name in loaders]
     args["custom_weight_loader"] = loaders

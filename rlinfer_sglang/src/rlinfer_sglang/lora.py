@@ -11,7 +11,6 @@ radix cache keys prefixes by adapter, so no block computed with old weights is r
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from rlinfer_core.errors import InvalidRequest
 from rlinfer_core.hookspecs import hookimpl
@@ -23,7 +22,7 @@ from rlinfer_sglang.base import BackendBase
 
 class LoraHooks(BackendBase):
     """``rlinfer_load_lora`` / ``rlinfer_unload_lora`` / ``rlinfer_list_loras`` and the per-request
-    adapter lookup; mixed into :class:`rlinfer_sglang.backend.SGLangBackend`."""
+    adapter lookup; part of :class:`rlinfer_sglang.backend.SGLangBackend`."""
 
     _lora: AdapterShelf
     #: request id -> the adapter its samples use, from admission to the end of the request
@@ -34,33 +33,23 @@ class LoraHooks(BackendBase):
         self._lora_of = {}
 
     async def _lora_remove(self, served: ServedAdapter) -> None:
-        from sglang.srt.managers.io_struct import UnloadLoRAAdapterReqInput
-
-        out = await self._guard(
-            self._alive().unload_lora_adapter(UnloadLoRAAdapterReqInput(lora_name=served.engine_name), None)
-        )
-        if not out.success:
-            raise InvalidRequest("lora", f"SGLang did not unload {served.engine_name!r}: {out.error_message}")
+        ok, error = await self._transport.unload_lora(served.engine_name)
+        if not ok:
+            raise InvalidRequest("lora", f"SGLang did not unload {served.engine_name!r}: {error}")
 
     @hookimpl
     async def rlinfer_load_lora(self, adapter: LoraAdapter, replace: bool) -> None:
         """Load ``adapter`` as a new SGLang adapter (``replace``: and switch its name to it)."""
-        from sglang.srt.managers.io_struct import LoadLoRAAdapterReqInput
-
-        tm = self._alive()
+        self._transport.alive()
         served = self._lora.prepare(adapter)
         try:
-            out = await self._guard(
-                tm.load_lora_adapter(
-                    LoadLoRAAdapterReqInput(lora_name=served.engine_name, lora_path=str(served.folder)), None
-                )
-            )
+            ok, error = await self._transport.load_lora(served.engine_name, str(served.folder))
         except Exception:
             self._lora.discard(served)
             raise
-        if not out.success:
+        if not ok:
             self._lora.discard(served)
-            raise InvalidRequest("lora", f"SGLang rejected adapter {adapter.name!r}: {out.error_message}")
+            raise InvalidRequest("lora", f"SGLang rejected adapter {adapter.name!r}: {error}")
         await self._lora.put(served)
 
     @hookimpl
@@ -71,7 +60,7 @@ class LoraHooks(BackendBase):
     @hookimpl
     async def rlinfer_list_loras(self) -> Sequence[str]:
         """Names of the adapters SGLang holds and rlinfer serves."""
-        held = set(self._alive().lora_registry.get_all_adapters())
+        held = self._transport.lora_names()
         return sorted(s.name for s in self._lora.live() if s.engine_name in held)
 
     def _lora_acquire(self, requests: Sequence[GenerateRequest]) -> None:
@@ -91,11 +80,6 @@ class LoraHooks(BackendBase):
     async def _lora_done(self, requests: Sequence[GenerateRequest]) -> None:
         for request in requests:
             await self._lora.done(self._lora_of.pop(request.request_id, None))
-
-    def _lora_arg(self, request: GenerateRequest) -> dict[str, Any]:
-        """``GenerateReqInput``'s ``lora_path`` for a request's samples ({} for the base weights)."""
-        served = self._lora_of.get(request.request_id)
-        return {} if served is None else {"lora_path": served.engine_name}
 
     def _lora_cleanup(self) -> None:
         """Remove the temporary adapter directories (at shutdown)."""

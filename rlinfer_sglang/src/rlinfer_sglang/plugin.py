@@ -1,24 +1,29 @@
-"""Entry point ``rlinfer.backends: sglang``: a cheap :class:`BackendInfo`; imports no engine."""
+"""Entry point ``rlinfer.backends: sglang``: a cheap :class:`BackendInfo` and the factory; imports no engine."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from rlinfer_core.discovery import BackendInfo
 from rlinfer_core.types import EngineConfig
 from rlinfer_sglang.capabilities import BACKEND, ENGINE_REQUIREMENTS, describe
 
+if TYPE_CHECKING:
+    from rlinfer_sglang.backend import SGLangBackend
 
-def create(config: EngineConfig) -> Any:
-    """The backend for ``config``: SGLang's offline Engine in this process, or with
-    ``mode="server"`` / ``server_url`` SGLang's HTTP server (:mod:`rlinfer_sglang.server_mode`)."""
+
+def create(config: EngineConfig) -> SGLangBackend:
+    """The backend for ``config``, over SGLang's offline Engine in this process, or with
+    ``mode="server"`` / ``server_url`` over SGLang's HTTP server (:mod:`rlinfer_sglang.transport`)."""
+    from rlinfer_sglang.backend import SGLangBackend
+
     if config.server_mode:
-        from rlinfer_sglang.server_mode.backend import SGLangServerBackend
+        from rlinfer_sglang.transport.http import HttpTransport
 
-        return SGLangServerBackend(config)
-    from rlinfer_sglang.backend import create as inprocess
+        return SGLangBackend(config, HttpTransport)
+    from rlinfer_sglang.transport.in_process import InProcessTransport
 
-    return inprocess(config)
+    return SGLangBackend(config, InProcessTransport)
 
 
 backend = BackendInfo(

@@ -323,7 +323,7 @@ def test_images_go_to_sglang_as_one_image_token_each_with_data_urls(tmp_path: Pa
 
     from rlinfer_core.types import GenerateRequest
     from rlinfer_sglang.images import engine_input
-    from rlinfer_sglang.server_mode.convert import batch_body
+    from rlinfer_sglang.requests import batch_body
 
     (tmp_path / "config.json").write_text(json.dumps({"image_token_id": 5}))
     image = np.zeros((8, 8, 3), dtype=np.uint8)

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from rlinfer_core.types import EngineConfig, GenerateRequest, SamplingParams
-from rlinfer_sglang import convert
+from rlinfer_sglang import outputs, requests
 from rlinfer_sglang.config import server_args
 
 
@@ -32,34 +32,34 @@ def test_the_engine_switch_maps_to_enable_return_hidden_states(tmp_path: Path) -
 def test_prompt_hidden_states_prefill_the_whole_prompt() -> None:
     # SGLang matches no cached prefix past logprob_start_len: 0 computes every prompt position
     assert (
-        convert.logprob_args(_request(return_hidden_states=True, prompt_hidden_states=True))["logprob_start_len"] == 0
+        requests.logprob_args(_request(return_hidden_states=True, prompt_hidden_states=True))["logprob_start_len"] == 0
     )
-    assert convert.logprob_args(_request(return_hidden_states=True))["logprob_start_len"] == -1
+    assert requests.logprob_args(_request(return_hidden_states=True))["logprob_start_len"] == -1
 
 
 def test_meta_hidden_states_in_rlinfer_alignment() -> None:
     # prompt of 3, 4 tokens out: one prefill chunk of positions [0, 3), then decode rows 3, 4, 5
     meta = {"hidden_states": [[_row(0), _row(1), _row(2)], _row(3), _row(4), _row(5)]}
-    prompt, output = convert.hidden_states(
+    prompt, output = outputs.hidden_states(
         _request(return_hidden_states=True, prompt_hidden_states=True), meta, 3, 4, 2
     )
     assert output is not None and output.array()[:, 0].tolist() == [2, 3, 4, 5]
     assert prompt is not None and prompt.array()[:, 0].tolist() == [0, 1, 2]
     # a cached prefix of 2: the prefill chunk holds the last prompt position only
     cached = {"hidden_states": [[_row(2)], _row(3), _row(4), _row(5)]}
-    _, output = convert.hidden_states(_request(return_hidden_states=True), cached, 3, 4, 2)
+    _, output = outputs.hidden_states(_request(return_hidden_states=True), cached, 3, 4, 2)
     assert output is not None and output.array()[:, 0].tolist() == [2, 3, 4, 5]
     # two prefill chunks: they end at the prompt's last position
     chunked = {"hidden_states": [[_row(0)], [_row(1), _row(2)], _row(3)]}
-    prompt, output = convert.hidden_states(
+    prompt, output = outputs.hidden_states(
         _request(return_hidden_states=True, prompt_hidden_states=True), chunked, 3, 2, 2
     )
     assert prompt is not None and prompt.array()[:, 0].tolist() == [0, 1, 2]
     assert output is not None and output.array()[:, 0].tolist() == [2, 3]
     # not asked: none, whatever SGLang sent
-    assert convert.hidden_states(_request(), meta, 3, 4, 2) == (None, None)
+    assert outputs.hidden_states(_request(), meta, 3, 4, 2) == (None, None)
     # nothing reported (aborted before output): empty output, NaN prompt rows
-    prompt, output = convert.hidden_states(_request(return_hidden_states=True, prompt_hidden_states=True), {}, 3, 0, 2)
+    prompt, output = outputs.hidden_states(_request(return_hidden_states=True, prompt_hidden_states=True), {}, 3, 0, 2)
     assert output is not None and output.shape == (0, 2)
     assert prompt is not None and prompt.missing() == [0, 1, 2] and np.isnan(prompt.array()).all()
 
@@ -67,8 +67,8 @@ def test_meta_hidden_states_in_rlinfer_alignment() -> None:
 def test_server_mode_claims_hidden_states_only_from_a_server_started_with_them() -> None:
     from rlinfer_core.types import Capability
     from rlinfer_sglang.capabilities import capabilities
-    from rlinfer_sglang.server_mode.caps import server_capabilities
-    from rlinfer_sglang.server_mode.convert import sample_body
+    from rlinfer_sglang.requests import sample_body
+    from rlinfer_sglang.transport.http_capabilities import server_capabilities
 
     base = capabilities("cpu", "sglang 0.5.23")
     url = "http://127.0.0.1:30000"

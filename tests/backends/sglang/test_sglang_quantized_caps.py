@@ -1,11 +1,11 @@
 """weights.quantized_reload on SGLang (no engine): not on CPU (SGLang's FP8 linear method needs
-AMX, measured), claimed on CUDA in process (rlinfer_sglang.requantize), not in server mode."""
+AMX, measured), claimed on CUDA in process (rlinfer_sglang.scheduler.requantize), not in server mode."""
 
 from __future__ import annotations
 
 from rlinfer_core.types import Capability, EngineConfig
 from rlinfer_sglang.capabilities import capabilities
-from rlinfer_sglang.server_mode.caps import server_capabilities
+from rlinfer_sglang.transport.http_capabilities import server_capabilities
 
 QUANTIZED = Capability.WEIGHTS_QUANTIZED_RELOAD
 
@@ -24,7 +24,7 @@ def test_fp8_reload_claimed_on_cuda_in_process_only() -> None:
 
 
 def test_fp8_engine_refused_before_a_server_starts() -> None:
-    from rlinfer_sglang.server_mode.backend import SGLangServerBackend
+    from rlinfer_sglang.plugin import create
 
-    backend = SGLangServerBackend(EngineConfig(model="m", mode="server", engine_kwargs={"quantization": "fp8"}))
+    backend = create(EngineConfig(model="m", mode="server", engine_kwargs={"quantization": "fp8"}))
     assert not backend.rlinfer_capabilities().supports(QUANTIZED)

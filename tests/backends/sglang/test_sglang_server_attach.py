@@ -43,7 +43,7 @@ class External:
 
     def __init__(self, model: Path) -> None:
         from rlinfer_sglang.config import server_args
-        from rlinfer_sglang.server_mode.launch import make_server, server_argv, server_env
+        from rlinfer_sglang.transport.launch import make_server, server_argv, server_env
 
         config = EngineConfig(model=str(model), **FIELDS)
         port = free_port()
@@ -169,7 +169,7 @@ def test_server_options_are_the_server_args(models: tuple[Path, Path]) -> None:
     """The launcher spells every ServerArgs value as the ``sglang serve`` option SGLang's parser
     maps back onto the same value."""
     from rlinfer_sglang.config import server_args
-    from rlinfer_sglang.server_mode.launch import SERVER_OVERRIDES, _parser, server_argv
+    from rlinfer_sglang.transport.launch import SERVER_OVERRIDES, _parser, server_argv
 
     config = EngineConfig(model=str(models[0]), enable_prefix_caching=False, **FIELDS)
     kwargs = server_args(config, "cpu")

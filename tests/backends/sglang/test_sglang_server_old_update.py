@@ -2,7 +2,7 @@
 
 The feature is found by asking the server (a GET that SGLang's POST-only route refuses with 405,
 an unknown route is 404). CPU CI has SGLang 0.5.23, whose scheduler loads tensor updates only
-inside begin/end, so these tests drive the 0.5.16 update *semantics* (``_flush_needs_idle``, set
+inside begin/end, so these tests drive the 0.5.16 update *semantics* (the transport's ``flush_needs_idle``, set
 from the detection on 0.5.16) against a real 0.5.23 server, begin/end still sent: an update with
 requests running waits for them (every token keeps the old version, nothing is retracted), the
 cache is flushed through /flush_cache before new requests start, a rejected update leaves the old
@@ -70,18 +70,18 @@ async def _running(backend: Any) -> None:
     """Until SGLang's scheduler holds requests (its own load report; bounded)."""
     deadline = time.monotonic() + 60
     while True:
-        _, report = await backend._http.request("GET", "/v1/loads", params={"include": "core"})
+        _, report = await backend._transport._http.request("GET", "/v1/loads", params={"include": "core"})
         held = sum(int(d.get("num_running_reqs", 0)) + int(d.get("num_waiting_reqs", 0)) for d in report["loads"])
-        if backend._active and held:
+        if backend._flight.active and held:
             return
         assert time.monotonic() < deadline, "the batch never reached the scheduler"
         await asyncio.sleep(0.005)
 
 
 def test_the_server_is_asked_for_begin_weight_update(engine: Any, loop: asyncio.AbstractEventLoop) -> None:
-    from rlinfer_sglang.server_mode.weights import has_begin_end
+    from rlinfer_sglang.transport.http import has_begin_end
 
-    http = engine._backend._http
+    http = engine._backend._transport._http
 
     async def go() -> tuple[int, int, bool]:
         known, _ = await http.request("GET", "/begin_weight_update")
@@ -90,16 +90,16 @@ def test_the_server_is_asked_for_begin_weight_update(engine: Any, loop: asyncio.
 
     known, unknown, found = loop.run_until_complete(go())
     assert (known, unknown) == (405, 404), "the probe's premise: POST-only route 405, no route 404"
-    assert found and engine._backend._begin_end and not engine._backend._flush_needs_idle
+    assert found and engine._backend._transport.begin_end and not engine._backend._transport.flush_needs_idle
     assert engine.capabilities.supports(Capability.PAUSE_KEEP)
 
 
 def test_capabilities_without_begin_end_drop_pause_keep(engine: Any) -> None:
-    from rlinfer_sglang.server_mode.caps import server_capabilities
+    from rlinfer_sglang.transport.http_capabilities import server_capabilities
 
     backend = engine._backend
     info = {"disable_overlap_schedule": True, "enable_deterministic_inference": False}
-    caps = server_capabilities(backend._caps, info, backend._http.url, True, False, begin_end=False)
+    caps = server_capabilities(backend._caps, info, backend._transport._http.url, True, False, begin_end=False)
     assert not caps.supports(Capability.PAUSE_KEEP)
     assert "0.5.16" in caps.notes[Capability.PAUSE_KEEP.value]
 
@@ -108,7 +108,7 @@ def test_update_waits_for_running_requests_then_flushes(
     engine: Any, models: tuple[Path, Path], loop: asyncio.AbstractEventLoop, tmp_path: Path
 ) -> None:
     backend = engine._backend
-    backend._flush_needs_idle = True
+    backend._transport.flush_needs_idle = True
     try:
 
         async def go() -> tuple[list[Any], list[Any], list[Any]]:
@@ -118,7 +118,7 @@ def test_update_waits_for_running_requests_then_flushes(
             await engine.update_weights(CheckpointDir(str(models[1])))
             assert gen.done(), "the update returned while its batch still ran"
             out = await gen
-            assert not backend._cache_dirty, "the cache was flushed after the idle load"
+            assert not backend._flight.cache_dirty, "the cache was flushed after the idle load"
             after = await engine.generate(_batch(8))
             return before, out, after
 
@@ -147,24 +147,24 @@ def test_update_waits_for_running_requests_then_flushes(
         assert all(set(c.token_versions) == {1} for c in again)
     finally:
         loop.run_until_complete(engine.update_weights(CheckpointDir(str(models[0]))))
-        backend._flush_needs_idle = False
+        backend._transport.flush_needs_idle = False
 
 
 def test_reset_while_requests_run_waits_for_them(engine: Any, loop: asyncio.AbstractEventLoop) -> None:
     backend = engine._backend
-    backend._flush_needs_idle = True
+    backend._transport.flush_needs_idle = True
     try:
 
         async def go() -> list[Any]:
             gen = asyncio.ensure_future(engine.generate(_batch(LONG)))
             await _running(backend)
-            backend._cache_dirty = True
+            backend._flight.cache_dirty = True
             await engine.reset_prefix_cache()
             assert gen.done(), "the flush ran while requests were pending"
-            assert not backend._cache_dirty
+            assert not backend._flight.cache_dirty
             return await gen
 
         out = loop.run_until_complete(go())
         assert all(len(c.token_ids) == LONG for c in out)
     finally:
-        backend._flush_needs_idle = False
+        backend._transport.flush_needs_idle = False

@@ -15,7 +15,7 @@ model's logits then differ from HF's by float32 summation order only.
 
 Runs with ``RLINFER_SGLANG_TP2_TESTS=1`` (``make test-sglang-tp2``, in ``make test``): in
 process ~35 s, the server-mode case ~60 s on 2 cores. It fails unless each TP rank gets its own
-payload (in process) and each rank's scheduler knows its TP rank (``scheduler_side._tp_rank``,
+payload (in process) and each rank's scheduler knows its TP rank (``scheduler.loader._tp_rank``,
 whose outcome files are per rank).
 """
 

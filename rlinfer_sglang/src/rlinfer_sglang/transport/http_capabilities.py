@@ -14,7 +14,7 @@ from rlinfer_sglang.capabilities import OVERLAP_NOTE, PAUSE_KEEP_OLD_SGLANG_NOTE
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
-#: weights.quantized_reload: rlinfer_sglang.requantize runs in a server's scheduler too, but has
+#: weights.quantized_reload: rlinfer_sglang.scheduler.requantize runs in a server's scheduler too, but has
 #: not been run on a GPU in server mode (refused before the server starts)
 SERVER_QUANTIZED_RELOAD_NOTE = "not in server mode (not run on a GPU there); use the in-process backend"
 

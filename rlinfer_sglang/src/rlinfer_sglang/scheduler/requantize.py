@@ -1,6 +1,6 @@
 """BF16 updates into an SGLang engine that quantized its BF16 checkpoint online to FP8
 (``quantization="fp8"``; capability ``weights.quantized_reload``). Runs in the scheduler process,
-around :func:`rlinfer_sglang.scheduler_side.load`'s ``model.load_weights``.
+around :func:`rlinfer_sglang.scheduler.loader.load`'s ``model.load_weights``.
 
 SGLang's ``Fp8LinearMethod.process_weights_after_loading`` replaces each linear layer's BF16
 ``weight`` by FP8 codes (transposed, ``[in, out]``) and a ``weight_scale`` (per output channel on

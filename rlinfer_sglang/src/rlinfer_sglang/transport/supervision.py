@@ -15,19 +15,15 @@ import atexit
 import contextlib
 import logging
 import os
-import shutil
 import signal
 import threading
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from rlinfer_core import processes
-from rlinfer_core.errors import BackendLoadError
-from rlinfer_core.hookspecs import hookimpl
-from rlinfer_core.types import (
-    EngineConfig,
-)
-from rlinfer_sglang.base import BackendBase
+from rlinfer_core.errors import BackendLoadError, EngineDead
+from rlinfer_core.types import EngineConfig
+from rlinfer_sglang.capabilities import Platform
 from rlinfer_sglang.config import server_args
 from rlinfer_sglang.engine_env import engine_environment
 
@@ -35,6 +31,7 @@ if TYPE_CHECKING:
     from sglang.srt.entrypoints.engine import Engine
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: how often the monitor checks that the engine's processes are alive
 MONITOR_INTERVAL_S = 0.5
@@ -90,27 +87,67 @@ def _unguard_sigquit(kind: str) -> None:
             _libc_sigquit(0)  # SIG_DFL
 
 
-def _ensure_cpu_env(platform: str) -> None:
-    # SGLang reads SGLANG_USE_CPU_ENGINE when its modules are imported; it must be set first.
+def ensure_cpu_env(platform: str) -> None:
+    """Set SGLANG_USE_CPU_ENGINE on CPU: SGLang reads it when its modules are imported."""
     if platform == "cpu":
         os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
 
 
-class Supervision(BackendBase):
-    """Starts the engine's processes, watches them and shuts them down."""
+class Supervision:
+    """Starts the engine's processes, watches them and shuts them down (in this process)."""
+
+    def __init__(self, config: EngineConfig, platform: Platform) -> None:
+        self.config = config
+        self.platform = platform
+        self._engine: Engine | None = None
+        self._tm: Any = None  #: SGLang's TokenizerManager (in this process)
+        self._closed = False
+        self._dead: str | None = None
+        self._dead_event: asyncio.Event | None = None
+        self._procs: list[Any] = []
+        self._monitor: asyncio.Task[None] | None = None
+        self._signals: dict[int, Any] = {}
+        self._quit_guard = ""
+
+    def _mark_dead(self, reason: str) -> None:
+        if self._dead is None:
+            self._dead = reason
+        if self._dead_event is not None:
+            self._dead_event.set()
+
+    def alive(self) -> None:
+        """Raise EngineDead when the engine is shut down or died."""
+        if self._closed or self._tm is None:
+            raise EngineDead("the SGLang engine is shut down; open a new engine")
+        if self._dead is not None:
+            raise EngineDead(f"the SGLang engine died ({self._dead}); open a new engine")
+
+    async def guard(self, awaitable: Awaitable[T]) -> T:
+        """Await ``awaitable`` unless the engine dies first (then raise EngineDead)."""
+        assert self._dead_event is not None
+        task = asyncio.ensure_future(awaitable)
+        dead = asyncio.ensure_future(self._dead_event.wait())
+        try:
+            await asyncio.wait({task, dead}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            task.cancel()
+            dead.cancel()
+            raise
+        dead.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        self.alive()
+        raise EngineDead("the SGLang engine died")
 
     async def _launch(self, config: EngineConfig) -> None:
         """Start SGLang's Engine (scheduler + detokenizer processes) and take over its process care."""
-        _ensure_cpu_env(self.platform)
+        ensure_cpu_env(self.platform)
         try:
             from sglang.srt.entrypoints.engine import Engine
         except Exception as exc:
             raise BackendLoadError(f"cannot import SGLang: {type(exc).__name__}: {exc}") from exc
         self._dead_event = asyncio.Event()
-        self._gate = asyncio.Event()
-        self._gate.set()
-        self._idle = asyncio.Event()
-        self._idle.set()
         kwargs = server_args(config, self.platform)
         main_thread = threading.current_thread() is threading.main_thread()
         if main_thread:
@@ -168,16 +205,14 @@ class Supervision(BackendBase):
                 await asyncio.get_running_loop().run_in_executor(None, processes.kill, self._procs, 2.0)
                 return
 
-    @hookimpl
-    async def rlinfer_check_health(self) -> None:
+    async def check_health(self) -> None:
         """Raise EngineDead when an engine process died or the engine was shut down."""
-        self._alive()
+        self.alive()
         if len(processes.alive(self._procs)) < len(self._procs):
             self._mark_dead("an SGLang process exited")
-            self._alive()
+            self.alive()
 
-    @hookimpl
-    async def rlinfer_shutdown(self) -> None:
+    async def shutdown(self) -> None:
         """Stop the engine; kill exactly the processes its start created (none is left)."""
         if self._closed:
             return
@@ -204,8 +239,6 @@ class Supervision(BackendBase):
             with contextlib.suppress(Exception):
                 engine.send_to_rpc.close(linger=0)
             atexit.unregister(self._kill_now)
-        shutil.rmtree(self._result_dir, ignore_errors=True)
-        self._lora_cleanup()
         self._restore_signals()
 
     def _restore_signals(self) -> None:
@@ -230,8 +263,7 @@ class Supervision(BackendBase):
         """Pids of the processes the engine started that are still running."""
         return [p.pid for p in processes.alive(self._procs)]
 
-    @hookimpl
-    def rlinfer_engine_processes(self) -> Mapping[str, int]:
+    def processes(self) -> Mapping[str, int]:
         """``{role: pid}`` of the engine's running processes ("scheduler", "detokenizer", ...)."""
         roles: dict[str, int] = {}
         for proc in processes.alive(self._procs):

@@ -1,4 +1,11 @@
-"""Conversions between rlinfer's request/result types and SGLang's dicts (no SGLang import)."""
+"""SGLang's output dicts (``text``, ``output_ids``, ``meta_info``; the same in process and from
+``/generate``) as rlinfer's completions and stream deltas; no SGLang import.
+
+Weight versions: SGLang's scheduler (0.5.2x) keeps, per request, the output length at every
+weight-version label change and reports a finished request's tokens as spans per label
+(``meta_info["weight_versions"]``); the HTTP transport sets the label to rlinfer's version number
+while nothing runs, so :func:`expand_versions` gives each token the version that computed it.
+"""
 
 from __future__ import annotations
 
@@ -12,77 +19,9 @@ import attrs
 from rlinfer_core.hidden_states import HiddenStates, split_positions
 from rlinfer_core.routing import RoutedExperts, aligned
 from rlinfer_core.types import Completion, CompletionDelta, FinishReason, GenerateRequest, LogprobsMode
-from rlinfer_sglang.agent import structured_params
+from rlinfer_sglang.requests import point_mass, renormalises
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
-
-
-def sampling_params(
-    request: GenerateRequest, prompt_len: int, max_model_len: int, vocab_size: int | None = None
-) -> dict[str, Any]:
-    """SGLang sampling parameters for one sample of ``request``.
-
-    ``max_tokens`` is clipped to the room left in the context, so a long prompt ends with
-    finish reason "length" instead of being rejected.
-    """
-    s = request.sampling
-    room = max(max_model_len - prompt_len, 1)
-    max_new = min(s.max_tokens, room)
-    params: dict[str, Any] = {
-        "temperature": s.temperature,
-        "top_p": s.top_p,
-        "top_k": s.top_k,
-        "max_new_tokens": max_new,
-        "min_new_tokens": min(s.min_tokens, max_new),
-        "ignore_eos": s.ignore_eos,
-    }
-    if s.stop_token_ids:
-        params["stop_token_ids"] = list(s.stop_token_ids)
-    if s.stop:
-        params["stop"] = list(s.stop)
-    if s.stop_regex:
-        params["stop_regex"] = list(s.stop_regex)
-    if s.include_stop_str_in_output:
-        params["no_stop_trim"] = True
-    if s.min_p > 0.0:
-        params["min_p"] = s.min_p
-    if renormalises(request) and vocab_size:
-        # SGLang's sampling mask needs a finite top_k; the vocabulary size truncates nothing
-        params["top_k"] = vocab_size if s.top_k < 1 else min(s.top_k, vocab_size)
-    custom = custom_params(request)
-    if custom:
-        params["custom_params"] = custom
-    params.update(structured_params(s.structured))
-    return params
-
-
-def priority_sign(args: Any) -> int | None:
-    """How rlinfer's priorities (lower first) map onto an SGLang engine's: 1 when it schedules low
-    values first, -1 when high values first (SGLang's default), None when it runs without priority
-    scheduling. ``args``: its ServerArgs, or the ``/server_info`` dict."""
-
-    def get(key: str) -> Any:
-        return args.get(key) if isinstance(args, Mapping) else getattr(args, key, None)
-
-    if not get("enable_priority_scheduling"):
-        return None
-    return 1 if get("schedule_low_priority_values_first") else -1
-
-
-def priority_arg(request: GenerateRequest, sign: int | None) -> dict[str, Any]:
-    """``GenerateReqInput``'s ``priority`` for ``request`` ({} without priority scheduling, where
-    SGLang aborts a request that names one). Sent for every request where it is on: SGLang puts a
-    request without one behind all others."""
-    return {} if sign is None else {"priority": sign * request.priority}
-
-
-def priority_groups(requests: Sequence[GenerateRequest]) -> list[list[int]]:
-    """Indices of ``requests`` grouped by priority, in order of first appearance (a batched SGLang
-    call carries one priority for all its items)."""
-    groups: dict[int, list[int]] = {}
-    for k, request in enumerate(requests):
-        groups.setdefault(request.priority, []).append(k)
-    return list(groups.values())
 
 
 def stop_text(request: GenerateRequest, text: str | None, stop_reason: int | str | None) -> str | None:
@@ -96,38 +35,6 @@ def stop_text(request: GenerateRequest, text: str | None, stop_reason: int | str
     if match is None:
         return text
     return text[: match.end()] if s.include_stop_str_in_output else text[: match.start()]
-
-
-def custom_params(request: GenerateRequest) -> dict[str, Any]:
-    """Parameters of rlinfer's logits processor (:mod:`rlinfer_sglang.logits`); {} when unused."""
-    s = request.sampling
-    out: dict[str, Any] = {}
-    if s.repetition_penalty != 1.0:
-        out["rlinfer_rep"] = s.repetition_penalty
-    if s.presence_penalty:
-        out["rlinfer_presence"] = s.presence_penalty
-    if s.frequency_penalty:
-        out["rlinfer_frequency"] = s.frequency_penalty
-    if s.logit_bias:
-        out["rlinfer_bias_ids"] = [t for t, _ in s.logit_bias]
-        out["rlinfer_bias"] = [float(b) for _, b in s.logit_bias]
-    if s.allowed_token_ids is not None:
-        out["rlinfer_allowed"] = list(s.allowed_token_ids)
-    return out
-
-
-def renormalises(request: GenerateRequest) -> bool:
-    """True when the processed logprobs must be renormalised after truncation (SGLang's
-    ``return_sampling_mask`` gives the sampled token's logprob in the truncated distribution)."""
-    s = request.sampling
-    return s.logprobs_mode is LogprobsMode.PROCESSED and not s.greedy and s.truncates and s.top_k != 1
-
-
-def point_mass(request: GenerateRequest) -> bool:
-    """True for sampled top_k=1: the processed distribution is all on the argmax (logprob 0);
-    SGLang refuses its sampling mask for it."""
-    s = request.sampling
-    return s.logprobs_mode is LogprobsMode.PROCESSED and not s.greedy and s.top_k == 1
 
 
 def stop_cut(request: GenerateRequest, tokens: Sequence[int]) -> int | None:
@@ -144,25 +51,6 @@ def stop_cut(request: GenerateRequest, tokens: Sequence[int]) -> int | None:
         if token in stops and i + 1 >= s.min_tokens:
             return i + 1
     return None
-
-
-def logprob_args(request: GenerateRequest, processor: str | None = None) -> dict[str, Any]:
-    """``GenerateReqInput`` keyword arguments for the logprobs and processing ``request`` needs.
-
-    ``processor``: the serialized rlinfer logits processor, used when the request needs it.
-    """
-    s = request.sampling
-    args: dict[str, Any] = {
-        "return_logprob": True,
-        # from 0, SGLang also matches no cached prefix: every prompt position is computed, so
-        # prompt hidden states cover the whole prompt
-        "logprob_start_len": 0 if s.prompt_logprobs or s.prompt_hidden_states else -1,
-        # one count for output and prompt positions: the larger, each cut to its own on return
-        "top_logprobs_num": max(s.logprobs, s.prompt_top_logprobs),
-        "custom_logit_processor": processor if custom_params(request) else None,
-        "return_sampling_mask": renormalises(request),
-    }
-    return args
 
 
 def renormalise(meta: Mapping[str, Any], logprobs: list[float], top: list[dict[int, float]] | None) -> None:
@@ -380,3 +268,22 @@ def hidden_states(
     return split_positions(
         rows, start, prompt_len, output_len, hidden_size, with_prompt=request.sampling.prompt_hidden_states
     )
+
+
+def expand_versions(meta: Mapping[str, Any], count: int) -> tuple[int, ...] | None:
+    """Per-token versions from SGLang's ``weight_versions`` spans; None when the answer has none
+    (an older SGLang, or no label was set) or a span carries a label rlinfer did not set."""
+    spans = meta.get("weight_versions")
+    if not spans:
+        return None
+    out: list[int | None] = [None] * count
+    for span in spans:
+        try:
+            version = int(str(span["version"]))
+        except (TypeError, ValueError, KeyError):
+            return None
+        for i in range(max(int(span["start"]), 0), min(int(span["end"]), count)):
+            out[i] = version
+    if any(v is None for v in out):
+        return None
+    return tuple(v for v in out if v is not None)

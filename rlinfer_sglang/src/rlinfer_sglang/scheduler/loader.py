@@ -1,7 +1,7 @@
 """Code that runs inside SGLang's scheduler process (one per tensor-parallel rank).
 
 SGLang calls :func:`load` as a *custom weight loader* (``ServerArgs.custom_weight_loader``):
-``update_weights_from_tensor(..., load_format="rlinfer_sglang.scheduler_side.load")`` hands it
+``update_weights_from_tensor(..., load_format="rlinfer_sglang.scheduler.loader.load")`` hands it
 the model and the deserialized ``(name, tensor)`` pairs. The first pair is a control record
 (``CONTROL`` -> JSON bytes as a uint8 tensor) saying what to do:
 
@@ -291,7 +291,7 @@ def load(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
             outcome["map_s"] = time.perf_counter() - started
             outcome["loaded"] = True  # from here on a failure may leave a partial update
             from rlinfer_core.fault_plan import planted
-            from rlinfer_sglang.requantize import requantizing
+            from rlinfer_sglang.scheduler.requantize import requantizing
 
             with requantizing(model):  # an online-FP8 engine quantizes the BF16 update again
                 model.load_weights(_private_vectors(planted(tensors)))

@@ -1,0 +1,311 @@
+"""Weights through SGLang's scheduler, over either transport: updates, checksums, broadcast
+groups, and the prefix cache they make stale.
+
+Every weight source goes to rlinfer's scheduler-side loader (:mod:`rlinfer_sglang.scheduler.loader`)
+through SGLang's ``update_weights_from_tensor`` (inside ``begin_weight_update`` /
+``end_weight_update`` where SGLang has them); the loader reads and checks everything before
+loading and writes its outcome to a file per TP rank.
+
+Sequencing: new requests wait at the backend's gate, requests in flight are retracted (they keep
+their tokens; unless the caller paused already) for the load and continue after it, so the update
+lands between engine steps, as on vLLM; the new version is labelled before anything runs again.
+An SGLang without begin/end (0.5.16; ``Transport.begin_end``) flushes its cache only when no
+request is pending, a retracted one included, and its scheduler dies when the flush inside an
+update fails: there an update with requests running waits for them (SGLang's own semantics),
+and the flush goes outside the update.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, assert_never
+
+import attrs
+
+from rlinfer_core.errors import InvalidRequest, RLInferError, WeightUpdateError
+from rlinfer_core.hookspecs import hookimpl
+from rlinfer_core.types import Capability
+from rlinfer_core.weights import (
+    BroadcastGroup,
+    BroadcastSource,
+    Bucket,
+    Buckets,
+    CheckpointDir,
+    NamedTensors,
+    TensorSpec,
+    WeightUpdate,
+)
+from rlinfer_sglang.base import BackendBase
+
+if TYPE_CHECKING:
+    from rlinfer_core.checksum import WeightChecksum
+
+logger = logging.getLogger(__name__)
+
+#: how long a flush on an SGLang without begin/end waits for running requests (the facade gives
+#: ``reset_prefix_cache`` 60 s)
+FLUSH_WAIT_S = 50.0
+#: how long the flush right after an idle update waits for the scheduler's last batch to clear
+IDLE_FLUSH_WAIT_S = 5.0
+
+
+class Weights(BackendBase):
+    """Weight specs, updates over every weight source, broadcast groups, checksums, prefix cache."""
+
+    @hookimpl
+    def rlinfer_weight_specs(self) -> Mapping[str, TensorSpec]:
+        """The checkpoint's parameter names, in the engine's dtype, with their shapes."""
+        return dict(self._specs)
+
+    def _flush_needs_idle(self) -> bool:
+        return self._transport.flush_needs_idle
+
+    def _cache_stale(self) -> bool:
+        """SGLang's cache may hold what older weights computed: a request ran since the last
+        flush, or one is running (it keeps adding to the cache after a flush)."""
+        return self._flight.cache_dirty or self._flight.active > 0
+
+    async def _scheduler_op(
+        self,
+        control: dict[str, Any],
+        tensors: Sequence[tuple[str, Any]] = (),
+        *,
+        flush: bool,
+        before_send: Callable[[], None] | None = None,
+    ) -> dict[str, Any]:
+        """Run rlinfer's scheduler-side loader once on every TP rank; raise on any failure.
+
+        Returns TP rank 0's outcome. ``before_send`` runs right before the update message leaves.
+        """
+        from rlinfer_sglang.scheduler.loader import encode_control
+
+        transport, flight = self._transport, self._flight
+        transport.alive()
+        result = self._result_dir / uuid.uuid4().hex
+        payloads = await transport.serialize([encode_control({**control, "result": str(result)}), *tensors])
+        flush = flush and self._cache_stale()  # else nothing the old weights cached
+        deferred = flush and self._flush_needs_idle()
+        if deferred:  # flushed after the load, or at the facade's reset
+            flush = False
+        if transport.begin_end:
+            ok, message = await transport.begin_update()
+            if not ok:
+                raise WeightUpdateError(f"SGLang refused to open a weight update: {message}")
+        end_ok, end_message = True, ""
+        try:
+            ok, message = await transport.update_tensors(payloads, flush, before_send)
+        finally:
+            if transport.begin_end:
+                end_ok, end_message = await transport.end_update()
+        outcomes = [self._outcome(result, rank) for rank in range(transport.tp_size)]
+        logger.debug("weight op %s: scheduler outcomes %s", control["op"], outcomes)
+        failed = [o for o in outcomes if not o.get("ok")]
+        if failed:
+            problems = tuple(str(o.get("error")) for o in failed)
+            if any(o.get("loaded") for o in failed):
+                raise WeightUpdateError(
+                    "SGLang failed while loading; the engine may hold a partial update: reload a full checkpoint",
+                    problems,
+                )
+            raise WeightUpdateError(f"{control['op']} update rejected before loading", problems)
+        if not ok and flush:
+            flight.cache_dirty = True  # loaded, but the flush was refused (requests held): at reset
+        elif not ok:
+            raise WeightUpdateError(f"SGLang failed the update: {message}")
+        elif flush:
+            flight.cache_dirty = flight.active > 0  # running requests keep adding to the cache
+        elif deferred:
+            flight.cache_dirty = True
+        if not end_ok:
+            raise WeightUpdateError(f"SGLang failed to finish the weight update: {end_message}")
+        return outcomes[0]
+
+    def _outcome(self, result: Path, rank: int) -> dict[str, Any]:
+        path = Path(f"{result}.{rank}")
+        try:
+            data: dict[str, Any] = json.loads(path.read_text())
+        except (OSError, ValueError):
+            self._transport.alive()
+            return {"ok": False, "loaded": True, "error": f"TP rank {rank} reported no outcome"}
+        finally:
+            path.unlink(missing_ok=True)
+        return data
+
+    @contextlib.asynccontextmanager
+    async def _quiet_scheduler(self) -> AsyncIterator[None]:
+        """Nothing runs in the scheduler for the block: new requests wait at the gate, requests in
+        flight are retracted (they keep their tokens) unless SGLang is paused already."""
+        async with self._flight.gate_closed():
+            hold = self._flight.active > 0 and not self._sglang_paused and not self._memory_paused
+            if hold:
+                await self._transport.pause("retract")
+            try:
+                yield
+            finally:
+                if hold:
+                    await asyncio.shield(self._transport.unpause())
+
+    @contextlib.asynccontextmanager
+    async def _idle_scheduler(self) -> AsyncIterator[None]:
+        """For an SGLang without begin/end: new requests wait at the gate and the block runs once
+        the requests in flight finished (bounded by ``request_timeout_s``; nothing is loaded when
+        they do not finish in time)."""
+        async with self._flight.gate_closed():
+            timeout = self.config.request_timeout_s
+            try:
+                await self._transport.guard(asyncio.wait_for(self._flight.idle.wait(), timeout=timeout))
+            except TimeoutError as exc:
+                self._transport.alive()
+                raise WeightUpdateError(
+                    f"the requests in flight did not finish within {timeout:.0f} s; nothing was loaded "
+                    "(this SGLang loads only between requests: pause(abort) first)"
+                ) from exc
+            yield
+
+    def _quiet(self) -> contextlib.AbstractAsyncContextManager[None]:
+        running = self._flight.active > 0 and not self._sglang_paused and not self._memory_paused
+        return self._idle_scheduler() if running and self._flush_needs_idle() else self._quiet_scheduler()
+
+    @hookimpl
+    async def rlinfer_update_weights(self, update: WeightUpdate) -> None:
+        """Hand the (validated) update to the scheduler, which checks all of it, then loads; then
+        label the new version while nothing runs."""
+        flight = self._flight
+        version = update.version if update.version is not None else flight.versions.current + 1
+        in_flight: list[str] = []
+        dispatched: set[str] = set()
+
+        def snapshot() -> None:
+            # samples SGLang's scheduler had been sent before the update (see versions.py)
+            in_flight.extend(flight.all_rids())
+            dispatched.update(self._transport.dispatched(in_flight, flight.received))
+
+        async with self._pause_lock, self._quiet():
+            outcome = await self._load(update, snapshot)
+            ok, message = await self._transport.label(version)
+            if not ok:
+                raise WeightUpdateError(f"SGLang loaded the update but refused its version label: {message}")
+            lengths = outcome.get("lengths")
+            if lengths is None:
+                logger.warning("the scheduler did not report request lengths; in-flight tokens keep the old version")
+                lengths, dispatched = {}, set(in_flight)
+            flight.versions.loaded(version, in_flight, dispatched, lengths)
+            if flight.cache_dirty and self._flush_needs_idle() and flight.active == 0:
+                # flushed while new requests still wait at the gate (the facade's reset, after it
+                # opens, could find requests pending, which this SGLang does not flush under)
+                await self._flush(IDLE_FLUSH_WAIT_S)
+
+    async def _load(self, update: WeightUpdate, snapshot: Callable[[], None]) -> dict[str, Any]:
+        from rlinfer_core.transfer import ipc
+
+        source = update.source
+        control: dict[str, Any]
+        cuda_buckets = ipc.pack_cuda(source.tensors) if isinstance(source, NamedTensors) else None
+        # exhaustive: a new WeightSource type is a mypy error here until it is handled
+        match source:
+            case NamedTensors() if cuda_buckets is not None:
+                return await self._send_buckets(cuda_buckets, snapshot)
+            case NamedTensors():
+                return await self._scheduler_op(
+                    {"op": "tensors"}, list(source.tensors), flush=True, before_send=snapshot
+                )
+            case Buckets():
+                return await self._send_buckets(source.buckets, snapshot)
+            case CheckpointDir():
+                control = {"op": "disk", "path": str(Path(source.path).resolve())}
+                return await self._scheduler_op(control, flush=True, before_send=snapshot)
+            case BroadcastSource():
+                specs = [(s.name, s.dtype, list(s.shape)) for s in source.specs]
+                control = {"op": "broadcast", "group_name": self._group_name, "specs": specs}
+                return await self._scheduler_op(control, flush=True, before_send=snapshot)
+            case _:
+                assert_never(source)
+
+    async def _send_buckets(self, buckets: Sequence[Bucket], before_send: Callable[[], None]) -> dict[str, Any]:
+        manifests = [attrs.asdict(b.manifest) for b in buckets]
+        pairs = [(str(i), b.data) for i, b in enumerate(buckets)]
+        control = {"op": "buckets", "manifests": manifests}
+        return await self._scheduler_op(control, pairs, flush=True, before_send=before_send)
+
+    @hookimpl
+    async def rlinfer_weights_checksum(self) -> Mapping[str, WeightChecksum]:
+        """Checksums computed in the scheduler over the served parameters, by HF name."""
+        from rlinfer_sglang.scheduler.loader import served_checksums
+
+        self._caps.require(Capability.WEIGHTS_CHECKSUM)
+        specs = [[name, list(spec.shape)] for name, spec in self._specs.items()]
+        if "lm_head.weight" not in self._specs and "model.embed_tokens.weight" in self._specs:
+            specs.append(["lm_head.weight", list(self._specs["model.embed_tokens.weight"].shape)])
+        outcome = await self._scheduler_op({"op": "checksum", "specs": specs}, flush=False)
+        return served_checksums(outcome)
+
+    @hookimpl
+    async def rlinfer_init_weight_broadcast(self, group: BroadcastGroup) -> None:
+        """Have every scheduler rank join the trainer's group (blocks until all ranks joined)."""
+        tp_size = self._transport.tp_size
+        if self.platform == "cpu" and group.backend != "gloo":
+            raise InvalidRequest("backend", "SGLang on CPU joins gloo groups only")
+        if group.rank_offset + tp_size > group.world_size:  # a pool puts several engines in one group
+            raise InvalidRequest(
+                "world_size",
+                f"must hold rank_offset ({group.rank_offset}) + {tp_size} engine ranks, got {group.world_size}",
+            )
+        try:
+            await self._scheduler_op({"op": "join", "group": attrs.asdict(group)}, flush=False)
+        except WeightUpdateError as exc:
+            raise RLInferError(f"the SGLang scheduler could not join the weight group: {exc}") from exc
+        self._group_name = group.group_name
+
+    @hookimpl
+    async def rlinfer_reset_prefix_cache(self) -> None:
+        """Flush SGLang's cache; running requests are retracted (recomputed) if they hold any."""
+        transport = self._transport
+        transport.alive()
+        if not self._cache_stale():
+            return
+        if await self._flush():
+            return
+        if self._sglang_paused or self._memory_paused:
+            raise RLInferError("SGLang refused to flush its cache while paused")
+        if self._flush_needs_idle():
+            # this SGLang does not flush while a retracted request is pending: new requests wait
+            # at the gate and SGLang flushes once the running ones finished (its deferred flush)
+            async with self._flight.gate_closed():
+                if not await self._flush(FLUSH_WAIT_S):
+                    raise RLInferError(
+                        f"SGLang refused to flush its cache: requests still ran after {FLUSH_WAIT_S:.0f} s"
+                    )
+            return
+        await transport.pause("retract")
+        try:
+            flushed = await self._flush()
+        finally:
+            await asyncio.shield(transport.unpause())
+        if not flushed:
+            raise RLInferError("SGLang refused to flush its cache")
+
+    async def _flush(self, wait_s: float = 0.0) -> bool:
+        """Flush SGLang's cache; ``wait_s`` > 0: as soon as it is idle, within that time (then
+        nothing ran at the flush)."""
+        flushed = await self._transport.flush(wait_s)
+        if flushed:  # else running requests keep adding to the cache
+            self._flight.cache_dirty = self._flight.active > 0 and wait_s == 0
+        return flushed
+
+    @hookimpl
+    async def rlinfer_bench_raw_weight_update(self, path: str) -> None:
+        """SGLang's own ``update_weights_from_disk``, no rlinfer validation."""
+        self._transport.alive()
+        ok, message = await self._transport.update_from_disk(str(Path(path).resolve()))
+        if not ok:
+            raise WeightUpdateError(f"SGLang update_weights_from_disk failed: {message}")
+        # the scheduler's own flush refuses while a just-finished request is still in its running
+        # batch (a race right after generate): flushed through the same retrying reset
+        self._flight.cache_dirty = True
+        await self.rlinfer_reset_prefix_cache()
