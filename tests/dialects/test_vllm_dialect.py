@@ -124,6 +124,21 @@ def test_bad_sampling_is_400(server: DialectServer) -> None:
         assert r.status_code == 400
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [{"rank_offset": "one"}, {"world_size": None}, {"rank_offset": 0}, {"rank_offset": True}, {"colour": "red"}],
+    ids=["rank_offset-word", "world_size-null", "rank_offset-0", "rank_offset-bool", "unknown-key"],
+)
+def test_bad_init_info_is_400(server: DialectServer, bad: dict[str, Any]) -> None:
+    if server.is_reference:
+        pytest.skip("vLLM's own weight transfer needs an accelerator (500 on CPU)")
+    init_info = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2, **bad}
+    with server.client() as c:
+        r = c.post("/init_weight_transfer_engine", json={"init_info": init_info})
+        assert r.status_code == 400, r.text
+        assert token_generate(c, **GREEDY)["choices"][0]["token_ids"]  # still serving
+
+
 def test_pause_resume_is_paused(server: DialectServer, oracle: Oracle, tiny_models: Any) -> None:
     with server.client() as c:
         assert c.get("/is_paused").json() == {"is_paused": False}

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -99,7 +100,7 @@ class WeightSession:
         backend = init_info.get("backend") or default_weight_backend(state.engine.config)
         if backend not in ("nccl", "gloo"):
             raise InvalidRequest("init_info.backend", f"must be 'nccl' or 'gloo', got {backend!r}")
-        rank, world_size = int(init_info["rank_offset"]), int(init_info["world_size"])
+        rank, world_size = (whole_number(init_info, key) for key in ("rank_offset", "world_size"))
         if not 1 <= rank < world_size:
             raise InvalidRequest("init_info.rank_offset", f"must be in 1..world_size-1 ({world_size - 1}), got {rank}")
         timeout_s = init_info.get("timeout_s", DEFAULT_TIMEOUT_S)
@@ -236,3 +237,14 @@ def session_of(app: FastAPI) -> WeightSession:
         app.state.vllm_weight_session = session
     assert isinstance(session, WeightSession)
     return session
+
+
+def whole_number(info: Mapping[str, Any], key: str) -> int:
+    """``info[key]`` as an int: an integer, or a string of one; anything else is InvalidRequest (a 400)."""
+    value = info[key]
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise InvalidRequest(f"init_info.{key}", f"must be a whole number, got {value!r}")
+    try:
+        return int(value)
+    except ValueError:
+        raise InvalidRequest(f"init_info.{key}", f"must be a whole number, got {value!r}") from None
