@@ -152,7 +152,11 @@ class InProcessTransport(Supervision, Transport):
 
     @override
     async def flush(self, wait_s: float = 0.0) -> bool:
-        flushing = self._tm.flush_cache(timeout_s=wait_s) if wait_s > 0 else self._tm.flush_cache()
+        import inspect
+
+        # waiting for idle inside SGLang needs its timeout_s (an older tokenizer manager flushes at once)
+        waits = wait_s > 0 and "timeout_s" in inspect.signature(self._tm.flush_cache).parameters
+        flushing = self._tm.flush_cache(timeout_s=wait_s) if waits else self._tm.flush_cache()
         return bool((await self.guard(flushing)).success)
 
     @override
