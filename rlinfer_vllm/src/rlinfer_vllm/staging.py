@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING, Any
 from rlinfer_core.errors import WeightUpdateError
 from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.weights import WeightUpdate
-from rlinfer_vllm.weights import Rpc, failures_typed, prepare_source, send_source
+from rlinfer_vllm.weights import Rpc, engine_gpus, failures_typed, prepare_source, send_source
 
 if TYPE_CHECKING:
+    from rlinfer_core.types import EngineConfig
     from rlinfer_vllm.transport import Transport
 
 logger = logging.getLogger("rlinfer_vllm.staging")
@@ -34,7 +35,7 @@ STAGE_METHODS = {
 }
 
 
-async def stage_source(staging_id: str, update: WeightUpdate, rpc: Rpc) -> Any:
+async def stage_source(staging_id: str, update: WeightUpdate, rpc: Rpc, engine_gpus: int) -> Any:
     """Send ``update``'s source as :func:`send_source` would, into the worker's staging under
     ``staging_id``; the worker's timings."""
 
@@ -44,7 +45,7 @@ async def stage_source(staging_id: str, update: WeightUpdate, rpc: Rpc) -> Any:
             raise WeightUpdateError(f"vLLM cannot stage an update sent by {method}")
         return await rpc(staged, staging_id, *args)
 
-    prepared = await prepare_source(update.source)
+    prepared = await prepare_source(update.source, engine_gpus)
     return await send_source(update.source, prepared, staging_rpc)
 
 
@@ -52,6 +53,7 @@ class StagingHooks:
     """Staging hooks of :class:`rlinfer_vllm.backend.VllmBackend` (both flavours)."""
 
     if TYPE_CHECKING:  # the backend's (rlinfer_vllm.backend, rlinfer_vllm.weights)
+        config: EngineConfig
 
         def _alive(self) -> Transport: ...
 
@@ -61,7 +63,7 @@ class StagingHooks:
     async def rlinfer_stage_weights(self, staging_id: str, update: WeightUpdate) -> None:
         """Copy the (validated) part into the worker's staging; generation goes on."""
         with failures_typed("stage the update"):
-            worker = await stage_source(staging_id, update, self._alive().rpc)
+            worker = await stage_source(staging_id, update, self._alive().rpc, engine_gpus(self.config))
         logger.debug("staged under %s: %s", staging_id, worker)
 
     @hookimpl

@@ -115,7 +115,7 @@ class WeightHooks:
         """Hand the (validated) update to the worker, which loads it all-or-nothing."""
         with failures_typed("load the update"):
             started = time.perf_counter()
-            prepared = await prepare_source(update.source)
+            prepared = await prepare_source(update.source, engine_gpus(self.config))
             async with self._paused_for_load() as transport:
                 worker = await send_source(update.source, prepared, transport.rpc)
                 if update.version is not None:
@@ -167,16 +167,25 @@ class Prepared:
     host tensors' shared-memory handles (none for the other sources)."""
 
     cuda_buckets: Sequence[Bucket] | None = None
+    #: a Buckets source's buckets, moved onto a GPU the engine sees where needed
+    buckets: Sequence[Bucket] | None = None
     payload: bytes | None = None
 
 
-async def prepare_source(source: WeightSource) -> Prepared:
-    """Pack named tensors for the worker (off the event loop for host tensors)."""
+async def prepare_source(source: WeightSource, engine_gpus: int) -> Prepared:
+    """Pack named tensors for the worker (off the event loop for host tensors).
+
+    vLLM starts its engine processes seeing only the engine's GPUs (this process's first
+    ``engine_gpus``): CUDA tensors on another GPU are first copied onto GPU 0, since a CUDA IPC
+    handle to them cannot be opened there.
+    """
     from rlinfer_core.transfer import ipc
 
+    if isinstance(source, Buckets):
+        return Prepared(buckets=ipc.onto_visible_gpus(source.buckets, engine_gpus))
     if not isinstance(source, NamedTensors):
         return Prepared()
-    cuda_buckets = ipc.pack_cuda(source.tensors)
+    cuda_buckets = ipc.pack_cuda(source.tensors, visible_gpus=engine_gpus)
     if cuda_buckets is not None:
         return Prepared(cuda_buckets=cuda_buckets)
     payload = await asyncio.get_running_loop().run_in_executor(None, ipc.dumps, list(source.tensors))
@@ -192,7 +201,7 @@ async def send_source(source: WeightSource, prepared: Prepared, rpc: Rpc) -> Any
         case NamedTensors():
             return await rpc("rlinfer_load_ipc", prepared.payload)
         case Buckets():
-            return await send_buckets(source.buckets, rpc)
+            return await send_buckets(prepared.buckets or source.buckets, rpc)
         case CheckpointDir():
             return await rpc("rlinfer_load_dir", str(Path(source.path).resolve()))
         case BroadcastSource():
@@ -220,3 +229,8 @@ def check_group(platform: Platform, group: BroadcastGroup) -> None:
     """InvalidRequest for a group this platform's worker cannot join."""
     if platform == "cpu" and group.backend != "gloo":
         raise InvalidRequest("backend", "vLLM on CPU joins gloo groups only")
+
+
+def engine_gpus(config: EngineConfig) -> int:
+    """How many of this process's GPUs the engine's processes see (its first ones)."""
+    return config.tensor_parallel_size * config.pipeline_parallel_size

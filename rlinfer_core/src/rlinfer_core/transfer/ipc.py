@@ -77,3 +77,21 @@ def pack_cuda(tensors: Sequence[tuple[str, torch.Tensor]], visible_gpus: int | N
     for device in {t.device for _, t in tensors} | ({target} if target is not None else set()):
         torch.cuda.synchronize(device)
     return buckets
+
+
+def onto_visible_gpus(buckets: Sequence[Bucket], visible_gpus: int) -> list[Bucket]:
+    """``buckets``, each one on a GPU the receiver cannot see (index ``>= visible_gpus``, see
+    :func:`pack_cuda`) copied onto GPU 0; the others as they are."""
+    import torch
+
+    from rlinfer_core.weights import Bucket
+
+    def hidden(bucket: Bucket) -> bool:
+        return bucket.data.device.type == "cuda" and (bucket.data.device.index or 0) >= visible_gpus
+
+    if not any(hidden(b) for b in buckets):
+        return list(buckets)
+    gpu0 = torch.device("cuda", 0)
+    moved = [Bucket(b.manifest, b.data.to(gpu0)) if hidden(b) else b for b in buckets]
+    torch.cuda.synchronize(gpu0)  # as in pack_cuda: the copies end before the handles are shared
+    return moved
