@@ -9,6 +9,7 @@ Shipped code is every ``*.py`` under ``rlinfer_*/src`` and ``conformance/src``; 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import subprocess
 from collections import Counter
@@ -21,7 +22,17 @@ def git(*args: str) -> str:
     return subprocess.run(["git", *args], capture_output=True, text=True, check=True).stdout
 
 
-def stats(rev: str) -> dict[str, object]:
+@dataclasses.dataclass
+class Stats:
+    """Figures of one revision."""
+
+    rev: str
+    files: int
+    lines_per_package: Counter[str]
+    files_per_operation: Counter[str]
+
+
+def stats(rev: str) -> Stats:
     files = [f for f in git("ls-tree", "-r", "--name-only", rev).splitlines() if SHIPPED.match(f)]
     lines: Counter[str] = Counter()
     touched: Counter[str] = Counter()
@@ -31,18 +42,18 @@ def stats(rev: str) -> dict[str, object]:
         for op in OPERATIONS:
             if re.search(rf"\b\w*{op}\b", text):
                 touched[op] += 1
-    return {"rev": rev, "files": len(files), "lines": sum(lines.values()), "per_package": dict(lines), "touched": dict(touched)}
+    return Stats(rev, len(files), lines, touched)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("revs", nargs="*", default=["HEAD"])
     for rev in parser.parse_args().revs:
         s = stats(rev)
-        print(f"{s['rev']}: {s['files']} files, {s['lines']} lines")
-        for package, n in sorted(s["per_package"].items()):  # type: ignore[attr-defined]
+        print(f"{s.rev}: {s.files} files, {s.lines_per_package.total()} lines")
+        for package, n in sorted(s.lines_per_package.items()):
             print(f"  {package:16s} {n:6d}")
-        print("  files per operation: " + ", ".join(f"{k} {v}" for k, v in s["touched"].items()))  # type: ignore[attr-defined]
+        print("  files per operation: " + ", ".join(f"{k} {v}" for k, v in s.files_per_operation.items()))
 
 
 if __name__ == "__main__":
