@@ -1,7 +1,8 @@
 """An engine's HTTP server as a child process: free port, launch, wait for health, track, stop.
 
-Engine-agnostic (no engine import): the server-mode backends (``rlinfer_vllm.server_mode``,
-``rlinfer_sglang.transport.http``) give it the command line and a name for each process role. The
+Engine-agnostic (no engine import): the server transports (``rlinfer_vllm.transport.http``,
+``rlinfer_sglang.transport.http``) give it the command line (:func:`command_line` spells engine
+arguments with the engine's own parser) and a name for each process role. The
 server runs in its own session (a Ctrl-C in the caller's terminal reaches only the caller, whose
 shutdown then stops the server in order) and writes its output to a log file whose tail is shown
 when it fails to start. Needs psutil and httpx (``rlinfer-core[backend]`` plus the engine's own
@@ -10,9 +11,11 @@ dependencies).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import atexit
 import contextlib
+import json
 import os
 import socket
 import subprocess
@@ -37,6 +40,38 @@ def free_port(host: str = HOST) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def command_line(parser: argparse.ArgumentParser, arguments: Mapping[str, Any], command: str) -> list[str]:
+    """The options of ``command`` (e.g. ``vllm serve``) for keyword ``arguments`` named as
+    ``parser``'s destinations, checked by ``parser``; None values are left out. An argument the
+    parser has no option for, or options it refuses, are a :class:`BackendLoadError`."""
+    actions = {a.dest: a for a in parser._actions if a.option_strings}
+    argv: list[str] = []
+    for key, value in arguments.items():
+        if value is None:
+            continue
+        action = actions.get(key)
+        if action is None:
+            raise BackendLoadError(f"argument {key!r} has no `{command}` option (server mode)")
+        flag = next(o for o in action.option_strings if o.startswith("--") and not o.startswith("--no-"))
+        if isinstance(action, argparse.BooleanOptionalAction):
+            argv.append(flag if value else f"--no-{flag[2:]}")
+        elif action.nargs == 0:  # store_true: absent means False
+            if value:
+                argv.append(flag)
+        elif isinstance(action, argparse._AppendAction) and isinstance(value, list | tuple):
+            for item in value:
+                argv += [flag, str(item)]
+        elif action.nargs in ("+", "*") and isinstance(value, list | tuple):
+            argv += [flag, *(str(v) for v in value)]
+        else:
+            argv += [flag, json.dumps(value) if isinstance(value, dict | list) else str(value)]
+    try:
+        parser.parse_args(argv)
+    except SystemExit as exc:
+        raise BackendLoadError(f"`{command}` refused the options {argv}") from exc
+    return argv
 
 
 def _cmdline_has(proc: Any, needles: Sequence[str]) -> bool:

@@ -13,13 +13,11 @@ model's length. It binds 127.0.0.1 on a free port (:mod:`rlinfer_core.server_chi
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Mapping
 from typing import Any
 
-from rlinfer_core.errors import BackendLoadError
-from rlinfer_core.server_child import ChildServer
+from rlinfer_core.server_child import ChildServer, command_line
 from rlinfer_core.types import EngineConfig
 from rlinfer_sglang.capabilities import Platform
 from rlinfer_sglang.engine_env import engine_environment
@@ -43,31 +41,7 @@ def _parser() -> argparse.ArgumentParser:
 def server_argv(kwargs: Mapping[str, Any], host: str, port: int) -> list[str]:
     """``sglang serve`` options for ``ServerArgs`` keyword arguments ``kwargs``, checked by SGLang's
     parser; an argument without an option is a :class:`BackendLoadError`."""
-    parser = _parser()
-    actions = {a.dest: a for a in parser._actions if a.option_strings}
-    args = {**kwargs, **SERVER_OVERRIDES, "host": host, "port": port}
-    argv: list[str] = []
-    for key, value in args.items():
-        if value is None:
-            continue
-        action = actions.get(key)
-        if action is None:
-            raise BackendLoadError(f"SGLang argument {key!r} has no `sglang serve` option (server mode)")
-        flag = next(o for o in action.option_strings if o.startswith("--") and not o.startswith("--no-"))
-        if isinstance(action, argparse.BooleanOptionalAction):
-            argv.append(flag if value else f"--no-{flag[2:]}")
-        elif action.nargs == 0:  # store_true: absent means False
-            if value:
-                argv.append(flag)
-        elif action.nargs in ("+", "*") and isinstance(value, list | tuple):
-            argv += [flag, *(str(v) for v in value)]
-        else:
-            argv += [flag, json.dumps(value) if isinstance(value, dict | list) else str(value)]
-    try:
-        parser.parse_args(argv)
-    except SystemExit as exc:
-        raise BackendLoadError(f"`sglang serve` refused the options {argv}") from exc
-    return argv
+    return command_line(_parser(), {**kwargs, **SERVER_OVERRIDES, "host": host, "port": port}, "sglang serve")
 
 
 def server_env(config: EngineConfig, platform: Platform) -> dict[str, str]:

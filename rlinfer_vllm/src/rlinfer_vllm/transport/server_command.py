@@ -23,13 +23,12 @@ it fails to start (:mod:`rlinfer_core.server_child`).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rlinfer_core.errors import BackendLoadError
-from rlinfer_core.server_child import ChildServer
+from rlinfer_core.server_child import ChildServer, command_line
 from rlinfer_core.types import MAX_TOP_LOGPROBS
 
 #: ``vllm serve``'s server module; the ``vllm`` command itself looks up the distribution "vllm"
@@ -76,35 +75,11 @@ def server_argv(kwargs: Mapping[str, Any], host: str, port: int) -> list[str]:
     """``vllm serve`` options for engine arguments ``kwargs`` (AsyncEngineArgs names), checked by
     vLLM's parser; an argument without a ``vllm serve`` option is a :class:`BackendLoadError`."""
     parser = _parser()
-    actions = {a.dest: a for a in parser._actions if a.option_strings}
-    overrides = {k: v for k, v in SERVER_OVERRIDES.items() if k in actions or k not in OPTIONAL_OVERRIDES}
+    destinations = {a.dest for a in parser._actions if a.option_strings}
+    overrides = {k: v for k, v in SERVER_OVERRIDES.items() if k in destinations or k not in OPTIONAL_OVERRIDES}
     args = {**kwargs, **overrides}
     model = args.pop("model")
-    argv = ["--model", str(model), "--host", host, "--port", str(port)]
-    for key, value in args.items():
-        if value is None:
-            continue
-        action = actions.get(key)
-        if action is None:
-            raise BackendLoadError(f"engine argument {key!r} has no `vllm serve` option (server mode)")
-        flag = next(o for o in action.option_strings if o.startswith("--") and not o.startswith("--no-"))
-        if isinstance(action, argparse.BooleanOptionalAction):
-            argv.append(flag if value else f"--no-{flag[2:]}")
-        elif action.nargs == 0:  # store_true: absent means False
-            if value:
-                argv.append(flag)
-        elif isinstance(action, argparse._AppendAction) and isinstance(value, list | tuple):
-            for item in value:
-                argv += [flag, str(item)]
-        elif action.nargs in ("+", "*") and isinstance(value, list | tuple):
-            argv += [flag, *(str(v) for v in value)]
-        else:
-            argv += [flag, json.dumps(value) if isinstance(value, dict | list) else str(value)]
-    try:
-        parser.parse_args(argv)
-    except SystemExit as exc:
-        raise BackendLoadError(f"`vllm serve` refused the options {argv}") from exc
-    return argv
+    return command_line(parser, {"model": str(model), "host": host, "port": port, **args}, "vllm serve")
 
 
 def server_process(argv: list[str], env: Mapping[str, str]) -> ChildServer:
