@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from rlinfer_core.transfer.arena import PackArena
     from rlinfer_core.weights import Bucket
 
 #: CUDA tensors travel in buckets of at most this many bytes (see :func:`pack_cuda`)
@@ -49,7 +50,9 @@ def loads(payload: bytes) -> list[tuple[str, torch.Tensor]]:
     return result
 
 
-def pack_cuda(tensors: Sequence[tuple[str, torch.Tensor]], visible_gpus: int | None = None) -> list[Bucket] | None:
+def pack_cuda(
+    tensors: Sequence[tuple[str, torch.Tensor]], visible_gpus: int | None = None, arena: PackArena | None = None
+) -> list[Bucket] | None:
     """Pack CUDA tensors into per-dtype buckets (no checksum); None if any tensor is not on CUDA.
 
     The receiver maps one CUDA-IPC handle per *allocation*, and opening one is a driver call
@@ -61,6 +64,9 @@ def pack_cuda(tensors: Sequence[tuple[str, torch.Tensor]], visible_gpus: int | N
     gives its engine process only the engine's GPUs), and a handle to memory on another GPU
     cannot be opened there: tensors on another GPU are packed onto GPU 0 (a peer-to-peer copy
     instead of the local one).
+
+    ``arena``: pack into its buffers (reused while the layout stays the same, so the receiver
+    maps nothing new: :mod:`rlinfer_core.transfer.arena`) instead of fresh ones.
     """
     if not tensors or any(t.device.type != "cuda" for _, t in tensors):
         return None
@@ -70,10 +76,12 @@ def pack_cuda(tensors: Sequence[tuple[str, torch.Tensor]], visible_gpus: int | N
 
     elsewhere = visible_gpus is not None and any((t.device.index or 0) >= visible_gpus for _, t in tensors)
     target = torch.device("cuda", 0) if elsewhere else None
-    buckets = pack(tensors, CUDA_BUCKET_BYTES, with_checksum=False, device=target)
+    packer = pack if arena is None else arena.pack
+    buckets = packer(tensors, CUDA_BUCKET_BYTES, with_checksum=False, device=target)
     # The receiver waits for the sender's stream only when it opens a handle for the first time;
-    # a bucket reusing a block it mapped before (the allocator hands the same block out again)
-    # would be read while the packing copies may still run: finish them before sharing.
+    # a bucket reusing a block it mapped before (an arena's buffer, or the allocator handing the
+    # same block out again) would be read while the packing copies may still run: finish them
+    # before sharing.
     for device in {t.device for _, t in tensors} | ({target} if target is not None else set()):
         torch.cuda.synchronize(device)
     return buckets
@@ -95,3 +103,24 @@ def onto_visible_gpus(buckets: Sequence[Bucket], visible_gpus: int) -> list[Buck
     moved = [Bucket(b.manifest, b.data.to(gpu0)) if hidden(b) else b for b in buckets]
     torch.cuda.synchronize(gpu0)  # as in pack_cuda: the copies end before the handles are shared
     return moved
+
+
+#: the CUDA tensors this process mapped for the last update (see :func:`keep_mapped`)
+_MAPPED: list[torch.Tensor] = []
+
+
+def keep_mapped(tensors: Sequence[torch.Tensor]) -> int:
+    """In a receiving process: keep the CUDA tensors just mapped by :func:`loads` (an update's
+    buckets) alive until the next call, which replaces them; how many of them were kept from the
+    previous call (mapped again at no cost). CPU tensors are not kept.
+
+    torch opens a CUDA-IPC handle only when no live storage of this process maps it already
+    (``shared_cache``, weak references): holding the last update's buckets makes the next update
+    from the same sender buffers (:class:`rlinfer_core.transfer.arena.PackArena`) open nothing.
+    ``keep_mapped(())`` lets them go.
+    """
+    held = {t.untyped_storage()._cdata for t in _MAPPED}
+    cuda = [t for t in tensors if t.device.type == "cuda"]
+    reused = sum(1 for t in cuda if t.untyped_storage()._cdata in held)
+    _MAPPED[:] = cuda
+    return reused
