@@ -20,7 +20,18 @@ the engine claims ``weights.staged``, else it is reported as not claimed. The up
 model's own weights and the same plus 1e-3 noise, alternately (a full-size, real change), as
 NamedTensors on the engine's device (CUDA tensors go by CUDA IPC; CPU tensors on CPU).
 
+Clocks (``--clock``): ``client`` times every delta where this process reads it (the streams are
+the load; at 128 streams the bench process itself saturates a core, which bounds what it can
+resolve); ``engine`` (vLLM in-process only) keeps the load as plain ``generate`` calls and times
+the engine's steps instead: the engine core stamps each step's output batch
+(``EngineCoreOutputs.timestamp``, ``time.monotonic`` in the engine-core process, the clock of
+``time.perf_counter`` here on Linux) and the bench reads those stamps and the tokens of each batch
+as they reach the engine client. A gap between two stamps is one engine step, or the update that
+ran between two steps: that gap is the stall, independent of how fast this process reads.
+
     python3 dev/gpu/bench/stall_bench.py --backend vllm --model $RLINFER_GPU_MODEL --json-out stall-vllm.json
+    python3 dev/gpu/bench/stall_bench.py --backend vllm --model $RLINFER_GPU_MODEL --clock engine \\
+        --json-out stall-vllm-engine-clock.json
     python3 dev/gpu/bench/stall_bench.py --backend vllm --device cpu --concurrency 8 --phase-s 10 \\
         --every-s 3 --json-out stall-vllm-cpu.json      # a tiny random model: checks the script only
 
@@ -65,9 +76,14 @@ class Load:
         self.errors: list[str] = []
         #: (start, seconds) of this process's garbage collections: a long one stalls every stream here
         self.gc_pauses: list[tuple[float, float]] = []
+        self._submitted = itertools.count()
         self._gc_started = 0.0
         gc.callbacks.append(self._on_gc)
         self._stop = False
+        if args.clock == "engine":
+            self.times.append(array("d"))
+            self.counts.append(array("I"))
+            attach_engine_clock(engine, self.times[0], self.counts[0])
         self._tasks = [asyncio.create_task(self._slot(i)) for i in range(args.concurrency)]
 
     async def _slot(self, slot: int) -> None:
@@ -77,13 +93,21 @@ class Load:
         max_tokens = self.args.max_tokens // 2 + slot * self.args.max_tokens // (2 * self.args.concurrency)
         sampling = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True)
         while not self._stop:
-            k = len(self.times)
+            k = next(self._submitted)
             prompt = [(97 * k + 31 * j) % (self.vocab - 16) + 16 for j in range(self.args.prompt_len)]
+            request = GenerateRequest(prompt_token_ids=prompt, sampling=sampling)
+            if self.args.clock == "engine":  # the engine's step stamps are the record
+                try:
+                    await self.engine.generate([request])
+                except Exception as exc:
+                    self.errors.append(f"{type(exc).__name__}: {exc}")
+                    await asyncio.sleep(0.1)
+                continue
             times, counts = array("d"), array("I")
             self.times.append(times)
             self.counts.append(counts)
             try:
-                async for delta in self.engine.stream(GenerateRequest(prompt_token_ids=prompt, sampling=sampling)):
+                async for delta in self.engine.stream(request):
                     if delta.token_ids:
                         times.append(time.perf_counter())
                         counts.append(len(delta.token_ids))
@@ -114,6 +138,27 @@ class Load:
         _, pending = await asyncio.wait(self._tasks, timeout=60)
         for task in pending:
             task.cancel()
+
+
+def attach_engine_clock(engine: Any, times: array[float], counts: array[int]) -> None:
+    """Record each engine step of a vLLM in-process engine: the engine core's stamp of its output
+    batch and the batch's new tokens (see the module docstring). Reaches into the backend's
+    transport (a bench probe, not rlinfer's API); fails loudly where that is not vLLM in-process."""
+    llm = getattr(getattr(getattr(engine, "_backend", None), "_transport", None), "_llm", None)
+    core = getattr(llm, "engine_core", None)
+    if core is None or not hasattr(core, "get_output_async"):
+        raise RuntimeError("--clock engine needs the vLLM backend in process (AsyncLLM's engine-core client)")
+    receive = core.get_output_async
+
+    async def stamped() -> Any:
+        outputs = await receive()
+        tokens = sum(len(o.new_token_ids) for o in outputs.outputs)
+        if tokens:
+            times.append(outputs.timestamp)
+            counts.append(tokens)
+        return outputs
+
+    core.get_output_async = stamped  # AsyncLLM's output loop looks the method up on every step
 
 
 def _gaps(times: array[float], lo: int, hi: int) -> list[float]:
@@ -335,7 +380,7 @@ async def measure(engine: Any, args: argparse.Namespace, model: Path, result: di
     # near 1.0: the bench's own event loop (streams, the engine's output handling) is saturated
     result["bench_process_cpu_fraction"] = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
     await load.stop()
-    result["requests"] = len(load.times)
+    result["requests"] = next(load._submitted)
     result["load_errors"] = {"count": len(load.errors), "first": load.errors[:5]}
     result["errors"] += list(failed.values())
     for mode, rounds in plan.items():
@@ -395,7 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json-out", type=Path, required=True)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--modes", default="update,staged", help="comma-separated: update, staged")
-    parser.add_argument("--concurrency", type=int, default=128, help="streaming requests kept in flight")
+    parser.add_argument("--concurrency", type=int, default=128, help="requests kept in flight")
+    parser.add_argument("--clock", choices=["client", "engine"], default="client", help="see the module docstring")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=1024, help="per request: from half this to all of it")
     parser.add_argument("--phase-s", type=float, default=15.0, help="T: seconds per phase")
