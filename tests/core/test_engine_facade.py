@@ -106,6 +106,23 @@ def test_weight_version_increments_once_per_success_and_prefix_cache_is_reset() 
     run(body())
 
 
+def test_a_backend_that_invalidates_prefixes_itself_is_not_reset_after_updates() -> None:
+    """``update_invalidates_prefixes`` (vLLM's per-version cache salt): the facade leaves the
+    prefix cache to the backend's update; the explicit reset_prefix_cache still reaches it."""
+
+    async def body() -> None:
+        engine = await opened()
+        b = backend()
+        b.update_invalidates_prefixes = True  # type: ignore[attr-defined]
+        assert await engine.update_weights(good_update(1.0)) == 1
+        assert [n for n in b.names() if n in ("update_weights", "reset_prefix_cache")] == ["update_weights"]
+        await engine.reset_prefix_cache()
+        assert b.names()[-1] == "reset_prefix_cache"
+        await engine.shutdown()
+
+    run(body())
+
+
 @pytest.mark.parametrize(
     ("update", "problem"),
     [

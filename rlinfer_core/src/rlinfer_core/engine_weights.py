@@ -173,7 +173,15 @@ class EngineWeights(EngineBase):
         self._version = target
         self._discarded = False
         self._not_loaded_reason = DISCARDED
-        await self._reset_prefix_cache()
+        if not self._update_invalidates_prefixes():
+            await self._reset_prefix_cache()
+
+    def _update_invalidates_prefixes(self) -> bool:
+        """Whether the backend's own update leaves no prefix computed by older weights reachable
+        (the vLLM backend salts each request by weight version and resets only where that cannot hold); a
+        backend states it as ``update_invalidates_prefixes``. Otherwise the facade resets the
+        prefix cache after every update."""
+        return bool(getattr(self._backend, "update_invalidates_prefixes", False))
 
     def _refuse_while_staging(self) -> None:
         """update_weights while a staged update is open would make the staging's version and
@@ -326,7 +334,8 @@ class EngineWeights(EngineBase):
         return self._optional(ProcessesBackend.rlinfer_engine_processes)()
 
     async def reset_prefix_cache(self) -> None:
-        """Drop cached prefixes (done automatically after every weight update)."""
+        """Drop cached prefixes (after every weight update the facade or the backend does what is
+        needed itself: :meth:`_update_invalidates_prefixes`)."""
         self._ensure_open()
         self.capabilities.require(Capability.PREFIX_CACHE_RESET)
         await self._reset_prefix_cache()

@@ -170,7 +170,9 @@ def rlinfer_update_weights(update: WeightUpdate) -> Awaitable[None]:
     On failure raise :class:`~rlinfer_core.errors.WeightUpdateError` with the engine still
     serving the previous weights. For a :class:`~rlinfer_core.weights.BroadcastSource` the
     backend receives the tensors and checks them (finite) before loading any. The facade bumps
-    the version and resets the prefix cache after success.
+    the version and resets the prefix cache after success, unless the backend states
+    ``update_invalidates_prefixes = True``: then its update leaves no prefix computed by older
+    weights reachable by later requests itself.
 
     ``update.version`` is the version these weights will have (set by the facade); tokens
     produced after the load carry it in ``Completion.token_versions``.
