@@ -93,12 +93,18 @@ def test_clear_and_a_failed_send_drop_the_buffers() -> None:
 
 
 def test_the_environment_turns_reuse_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    tensors = weights(0, [("float32", (8,))])
     monkeypatch.setenv(REUSE_ENV, "0")
-    assert engine_arena() is None
+    off = engine_arena()
+    first = off.pack(tensors)
+    assert off.nbytes == 0
+    assert not set(ptrs(off.pack(tensors))) & set(ptrs(first))
+    assert off.reuses == 0
     monkeypatch.setenv(REUSE_ENV, "1")
-    assert isinstance(engine_arena(), PackArena)
+    assert engine_arena().keep
     monkeypatch.delenv(REUSE_ENV)
-    assert isinstance(engine_arena(), PackArena)
+    on = engine_arena()
+    assert ptrs(on.pack(tensors)) == ptrs(on.pack(tensors))
 
 
 def test_pack_cuda_leaves_host_tensors_to_shared_memory() -> None:

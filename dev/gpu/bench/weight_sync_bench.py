@@ -125,18 +125,23 @@ def load_weight_sets(
 
 def breakdown(engine: Any, tensors: list[tuple[str, Any]], nbytes: int, repeats: int) -> dict[str, Any]:
     """Where an update's time goes, by timing its parts alone (medians): the facade's validation,
-    packing for CUDA IPC, and, as the physical floor, one device-to-device copy of the same bytes."""
+    packing for CUDA IPC into fresh buffers and into a reused arena's (what the backends do from
+    the second update of a layout on, rlinfer_core.transfer.arena), and, as the physical floor,
+    one device-to-device copy of the same bytes."""
     import torch
 
     from rlinfer_core.transfer import ipc
+    from rlinfer_core.transfer.arena import PackArena
     from rlinfer_core.transfer.validate import validate_source
     from rlinfer_core.weights import NamedTensors
 
     source = NamedTensors.of(tensors)
     targets = [torch.empty_like(t) for _, t in tensors]
+    arena = PackArena()
     parts: dict[str, Callable[[], Any]] = {
         "validate_s": lambda: validate_source(source, engine.weight_specs),
         "pack_for_ipc_s": lambda: ipc.pack_cuda(tensors),
+        "pack_into_arena_s": lambda: ipc.pack_cuda(tensors, arena=arena),  # the warm-up allocates
         "d2d_copy_floor_s": lambda: torch._foreach_copy_(targets, [t for _, t in tensors]),
     }
     out: dict[str, Any] = {}
@@ -145,15 +150,17 @@ def breakdown(engine: Any, tensors: list[tuple[str, Any]], nbytes: int, repeats:
         out[name] = statistics.median(timed(fn)[0] for _ in range(repeats))
     out["d2d_copy_floor_gb_per_s"] = nbytes / GB / out["d2d_copy_floor_s"]
     targets.clear()
+    arena.clear()
     torch.cuda.empty_cache()
     return out
 
 
 class WorkerTimings(logging.Handler):
-    """The worker's own timings of each update, read from the backend's debug log line (the vLLM
-    backend logs a dict with ``load_s``, ``map_s`` in ms and ``fast_load``: 1.0 where one batched
-    copy loaded the update, see rlinfer_vllm.worker.fast_load). Nothing is collected for backends
-    without such a line."""
+    """The worker's own timings of each update, read from the backend's debug log line (both
+    backends log a dict with ``pack_s`` (the backend's packing), ``map_s``, ``load_s`` in ms and
+    ``ipc_reused``: the CUDA-IPC buckets the engine had mapped already (rlinfer_core.transfer.arena);
+    vLLM's also ``fast_load``: 1.0 where one batched copy loaded the update, see
+    rlinfer_vllm.worker.fast_load). Nothing is collected for backends without such a line."""
 
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
@@ -173,6 +180,8 @@ class WorkerTimings(logging.Handler):
             f"{k.removesuffix('_s')}_ms": statistics.median(r[k] for r in self.rows if k in r) for k in keys
         }
         out["fast_load_updates"] = sum(1 for r in self.rows if r.get("fast_load") == 1.0)
+        # per update, in order: 0 on the first update of a layout, every bucket after it
+        out["ipc_reused_buckets"] = [r.get("ipc_reused") for r in self.rows]
         out["updates"] = len(self.rows)
         return out
 
@@ -230,6 +239,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     worker_timings = WorkerTimings()
     logging.getLogger(f"rlinfer_{args.backend}").addHandler(worker_timings)
     result["fast_load_env"] = os.environ.get("RLINFER_VLLM_FAST_LOAD")  # "0": the A/B baseline
+    result["reuse_ipc_env"] = os.environ.get("RLINFER_REUSE_IPC_BUFFERS")  # "0": packed fresh, mapped each time
     start_s, engine = timed(
         lambda: rl_engine.open_engine(args.backend, config, load_entry_point_plugins=False, plugins=[update_times])
     )
@@ -371,16 +381,20 @@ def summary(result: dict[str, Any]) -> str:
     if "breakdown" in u:
         b = u["breakdown"]
         lines.append(
-            f"parts: validate {b['validate_s'] * 1e3:.1f} ms, pack for IPC {b['pack_for_ipc_s'] * 1e3:.1f} ms, "
+            f"parts: validate {b['validate_s'] * 1e3:.1f} ms, pack for IPC {b['pack_for_ipc_s'] * 1e3:.1f} ms "
+            f"(into a reused arena {b['pack_into_arena_s'] * 1e3:.1f} ms), "
             f"backend + prefix reset {b['backend_s'] * 1e3:.1f} ms, "
             f"d2d copy floor {b['d2d_copy_floor_s'] * 1e3:.2f} ms ({b['d2d_copy_floor_gb_per_s']:.0f} GB/s)"
         )
         worker = b.get("worker") or {}
         if "load_ms" in worker:
             lines.append(
+                f"backend pack {worker.get('pack_ms', float('nan')):.2f} ms, "
                 f"worker: map {worker.get('map_ms', float('nan')):.2f} ms, load {worker['load_ms']:.2f} ms "
                 f"(fast load on {worker['fast_load_updates']}/{worker['updates']} updates; "
-                f"RLINFER_VLLM_FAST_LOAD={result.get('fast_load_env')})"
+                f"RLINFER_VLLM_FAST_LOAD={result.get('fast_load_env')}; "
+                f"buckets mapped before, per update: {worker['ipc_reused_buckets']}; "
+                f"RLINFER_REUSE_IPC_BUFFERS={result.get('reuse_ipc_env')})"
             )
     lines += [f"ERROR {e}" for e in result.get("errors", [])]
     return "\n".join(lines)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from rlinfer_core.errors import BackendLoadError, EngineDead, RLInferError
 from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.model_info import ModelInfo
+from rlinfer_core.transfer.arena import engine_arena
 from rlinfer_core.types import Capabilities, EngineConfig
 from rlinfer_core.weights import TensorSpec
 from rlinfer_sglang.agent import AgentHooks
@@ -64,6 +65,7 @@ class SGLangBackend(Generation, Pausing, AgentHooks):
         self._result_dir = Path(tempfile.mkdtemp(prefix="rlinfer-sglang-"))
         self._group_name = ""
         self._processor_str = ""
+        self._ipc_arena = engine_arena()
         self.start_seconds: float | None = None
         self._lora_init()
 
@@ -137,6 +139,7 @@ class SGLangBackend(Generation, Pausing, AgentHooks):
         """Stop the engine; kill exactly the processes its start created (none is left); an
         attached server keeps running."""
         await self._transport.shutdown()
+        self._ipc_arena.clear()
         shutil.rmtree(self._result_dir, ignore_errors=True)
         self._lora_cleanup()
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from rlinfer_core.errors import EngineDead
 from rlinfer_core.model_info import ModelInfo
+from rlinfer_core.transfer.arena import PackArena
 from rlinfer_core.types import Capabilities, EngineConfig, MemoryTag
 from rlinfer_core.weights import TensorSpec
 from rlinfer_sglang.capabilities import Platform
@@ -40,6 +41,8 @@ class BackendBase:
     _result_dir: Path
     _group_name: str
     _processor_str: str
+    #: the buffers CUDA tensors are packed into for the scheduler, reused while the layout stays
+    _ipc_arena: PackArena
 
     def _model(self) -> ModelInfo:
         if self._info is None:

@@ -21,6 +21,7 @@ from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.lora import LoraAdapter
 from rlinfer_core.model_info import ModelInfo
 from rlinfer_core.tools import ToolCalls, ToolSpec
+from rlinfer_core.transfer.arena import engine_arena
 from rlinfer_core.types import (
     Capabilities,
     Completion,
@@ -73,6 +74,7 @@ class VllmBackend(WeightHooks, StagingHooks, MemoryHooks):
         self.engine_version = f"{found[0]} {found[1]}" if found else "not installed"
         self._inflight = InFlight()
         self._gate = LoadGate()
+        self._ipc_arena = engine_arena()
         self._transport: Transport = _transport(config, self)
         self._caps = self._transport.capabilities
         self._closed = False
@@ -132,6 +134,7 @@ class VllmBackend(WeightHooks, StagingHooks, MemoryHooks):
             return
         self._closed = True
         await self._transport.shutdown()
+        self._ipc_arena.clear()
 
     @hookimpl
     def rlinfer_engine_processes(self) -> Mapping[str, int]:

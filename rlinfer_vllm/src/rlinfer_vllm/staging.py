@@ -22,6 +22,7 @@ from rlinfer_core.weights import WeightUpdate
 from rlinfer_vllm.weights import Rpc, engine_gpus, failures_typed, prepare_source, send_source
 
 if TYPE_CHECKING:
+    from rlinfer_core.transfer.arena import PackArena
     from rlinfer_core.types import EngineConfig
     from rlinfer_vllm.transport import Transport
 
@@ -35,9 +36,9 @@ STAGE_METHODS = {
 }
 
 
-async def stage_source(staging_id: str, update: WeightUpdate, rpc: Rpc, engine_gpus: int) -> Any:
-    """Send ``update``'s source as :func:`send_source` would, into the worker's staging under
-    ``staging_id``; the worker's timings."""
+async def stage_source(staging_id: str, update: WeightUpdate, rpc: Rpc, engine_gpus: int, arena: PackArena) -> Any:
+    """Send ``update``'s source as :func:`send_source` would (CUDA tensors packed into
+    ``arena``), into the worker's staging under ``staging_id``; the worker's timings."""
 
     async def staging_rpc(method: str, *args: Any) -> Any:
         staged = STAGE_METHODS.get(method)
@@ -45,8 +46,9 @@ async def stage_source(staging_id: str, update: WeightUpdate, rpc: Rpc, engine_g
             raise WeightUpdateError(f"vLLM cannot stage an update sent by {method}")
         return await rpc(staged, staging_id, *args)
 
-    prepared = await prepare_source(update.source, engine_gpus)
-    return await send_source(update.source, prepared, staging_rpc)
+    prepared = await prepare_source(update.source, engine_gpus, arena)
+    with arena.sending():
+        return await send_source(update.source, prepared, staging_rpc)
 
 
 class StagingHooks:
@@ -54,6 +56,7 @@ class StagingHooks:
 
     if TYPE_CHECKING:  # the backend's (rlinfer_vllm.backend, rlinfer_vllm.weights)
         config: EngineConfig
+        _ipc_arena: PackArena
 
         def _alive(self) -> Transport: ...
 
@@ -63,7 +66,9 @@ class StagingHooks:
     async def rlinfer_stage_weights(self, staging_id: str, update: WeightUpdate) -> None:
         """Copy the (validated) part into the worker's staging; generation goes on."""
         with failures_typed("stage the update"):
-            worker = await stage_source(staging_id, update, self._alive().rpc, engine_gpus(self.config))
+            worker = await stage_source(
+                staging_id, update, self._alive().rpc, engine_gpus(self.config), self._ipc_arena
+            )
         logger.debug("staged under %s: %s", staging_id, worker)
 
     @hookimpl

@@ -39,6 +39,7 @@ from rlinfer_core.weights import (
 from rlinfer_vllm.capabilities import Platform
 
 if TYPE_CHECKING:
+    from rlinfer_core.transfer.arena import PackArena
     from rlinfer_vllm.load_gate import LoadGate
     from rlinfer_vllm.transport import Transport
 
@@ -72,6 +73,8 @@ class WeightHooks:
     _pause_lock: asyncio.Lock
     _user_pause: PauseMode | None
     _gate: LoadGate
+    #: the buffers CUDA tensors are packed into for the worker (:func:`prepare_source`)
+    _ipc_arena: PackArena
 
     def _alive(self) -> Transport:
         raise NotImplementedError
@@ -115,16 +118,18 @@ class WeightHooks:
         """Hand the (validated) update to the worker, which loads it all-or-nothing."""
         with failures_typed("load the update"):
             started = time.perf_counter()
-            prepared = await prepare_source(update.source, engine_gpus(self.config))
+            prepared = await prepare_source(update.source, engine_gpus(self.config), self._ipc_arena)
+            pack_s = time.perf_counter() - started
             async with self._paused_for_load() as transport:
-                worker = await send_source(update.source, prepared, transport.rpc)
+                with self._ipc_arena.sending():
+                    worker = await send_source(update.source, prepared, transport.rpc)
                 if update.version is not None:
                     # the engine labels the outputs of every later step with this version
                     await transport.label_version(update.version)
             logger.debug(
                 "weight update: %.1f ms in the backend; worker: %s",
                 (time.perf_counter() - started) * 1e3,
-                {k: round(v * 1e3, 2) if k.endswith("_s") else v for k, v in worker.items()}
+                {k: round(v * 1e3, 2) if k.endswith("_s") else v for k, v in {**worker, "pack_s": pack_s}.items()}
                 if isinstance(worker, Mapping)
                 else worker,
             )
@@ -172,8 +177,9 @@ class Prepared:
     payload: bytes | None = None
 
 
-async def prepare_source(source: WeightSource, engine_gpus: int) -> Prepared:
-    """Pack named tensors for the worker (off the event loop for host tensors).
+async def prepare_source(source: WeightSource, engine_gpus: int, arena: PackArena) -> Prepared:
+    """Pack named tensors for the worker (off the event loop for host tensors); CUDA tensors
+    into ``arena``'s buffers.
 
     vLLM starts its engine processes seeing only the engine's GPUs (this process's first
     ``engine_gpus``): CUDA tensors on another GPU are first copied onto GPU 0, since a CUDA IPC
@@ -185,7 +191,12 @@ async def prepare_source(source: WeightSource, engine_gpus: int) -> Prepared:
         return Prepared(buckets=ipc.onto_visible_gpus(source.buckets, engine_gpus))
     if not isinstance(source, NamedTensors):
         return Prepared()
-    cuda_buckets = ipc.pack_cuda(source.tensors, visible_gpus=engine_gpus)
+    # The arena hands the same buffers to every update of one layout, so the worker maps nothing
+    # new (it keeps what it mapped: ipc.keep_mapped). Reuse is safe because updates and stagings
+    # are serialized (the facade's weight lock, _pause_lock) and every worker load and staging
+    # copies out of the buffers and synchronizes before its call returns; a call that does not
+    # return makes the arena forget them (PackArena.sending).
+    cuda_buckets = ipc.pack_cuda(source.tensors, visible_gpus=engine_gpus, arena=arena)
     if cuda_buckets is not None:
         return Prepared(cuda_buckets=cuda_buckets)
     payload = await asyncio.get_running_loop().run_in_executor(None, ipc.dumps, list(source.tensors))

@@ -47,7 +47,9 @@ class PackArena:
     buffers before its call returns (``sending`` forgets them when a call does not return).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, keep: bool = True) -> None:
+        #: False: every pack gets fresh buffers and the arena holds none (the opt-out)
+        self.keep = keep
         self._layout: Layout | None = None
         self._buckets: list[Bucket] = []
         #: one slot (a view into a bucket) per input tensor, in input order
@@ -82,7 +84,7 @@ class PackArena:
             return [_rechecked(b) for b in self._buckets]
         self.clear()
         buckets = pack(tensors, max_bucket_bytes, with_checksum=with_checksum, device=device)
-        if layout is not None:  # names repeat: nothing to map the slots by, never reused
+        if layout is not None and self.keep:  # names repeat: nothing to map the slots by
             self._layout, self._buckets, self._slots = layout, buckets, _slots(buckets, tensors)
         return buckets
 
@@ -102,10 +104,10 @@ class PackArena:
             raise
 
 
-def engine_arena() -> PackArena | None:
-    """A backend's arena for its engine; None when ``RLINFER_REUSE_IPC_BUFFERS=0`` (pack fresh
-    buffers for every update)."""
-    return None if os.environ.get(REUSE_ENV, "1").strip() == "0" else PackArena()
+def engine_arena() -> PackArena:
+    """A backend's arena for its engine; one that keeps nothing (fresh buffers for every update,
+    as without an arena) when ``RLINFER_REUSE_IPC_BUFFERS=0``."""
+    return PackArena(keep=os.environ.get(REUSE_ENV, "1").strip() != "0")
 
 
 def _layout(

@@ -110,17 +110,22 @@ _MAPPED: list[torch.Tensor] = []
 
 
 def keep_mapped(tensors: Sequence[torch.Tensor]) -> int:
-    """In a receiving process: keep the CUDA tensors just mapped by :func:`loads` (an update's
-    buckets) alive until the next call, which replaces them; how many of them were kept from the
-    previous call (mapped again at no cost). CPU tensors are not kept.
+    """In a receiving process: keep the CUDA tensors of ``tensors`` that were mapped from another
+    process (by :func:`loads`, or an engine's own deserializer) alive until the next call, which
+    replaces them; return how many of them were kept from the previous call (mapped again at no
+    cost). Host tensors, and copies the engine made of a mapped tensor (onto another GPU), are
+    not kept.
 
     torch opens a CUDA-IPC handle only when no live storage of this process maps it already
-    (``shared_cache``, weak references): holding the last update's buckets makes the next update
-    from the same sender buffers (:class:`rlinfer_core.transfer.arena.PackArena`) open nothing.
-    ``keep_mapped(())`` lets them go.
+    (``torch.multiprocessing.reductions.shared_cache``, weak references): holding the last
+    update's buckets makes the next update from the same sender buffers
+    (:class:`rlinfer_core.transfer.arena.PackArena`) open nothing. ``keep_mapped(())`` lets them go.
     """
+    from torch.multiprocessing.reductions import shared_cache
+
     held = {t.untyped_storage()._cdata for t in _MAPPED}
-    cuda = [t for t in tensors if t.device.type == "cuda"]
-    reused = sum(1 for t in cuda if t.untyped_storage()._cdata in held)
-    _MAPPED[:] = cuda
+    mapped = {ref.cdata for ref in list(shared_cache.values())}
+    kept = [t for t in tensors if t.device.type == "cuda" and t.untyped_storage()._cdata in mapped]
+    reused = sum(1 for t in kept if t.untyped_storage()._cdata in held)
+    _MAPPED[:] = kept
     return reused

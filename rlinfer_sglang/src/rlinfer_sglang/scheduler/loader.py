@@ -288,6 +288,10 @@ def load(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         else:
             started = time.perf_counter()
             tensors = _gather(model, control, list(named_tensors[1:]))
+            if control["op"] == "buckets":  # the sender's next update may reuse these buffers
+                from rlinfer_core.transfer.ipc import keep_mapped
+
+                outcome["ipc_reused"] = keep_mapped([t for _, t in named_tensors[1:]])
             outcome["map_s"] = time.perf_counter() - started
             outcome["loaded"] = True  # from here on a failure may leave a partial update
             from rlinfer_core.fault_plan import planted

@@ -260,10 +260,11 @@ class RLInferWorkerExtension(StagedWeightsWorker):
         started = time.perf_counter()
         metas = pickle.loads(manifests)
         datas = [t for _, t in ipc.loads(payload)]
+        reused = ipc.keep_mapped(datas)  # the sender's next update may reuse these buffers
         buckets = [Bucket(m, d) for m, d in zip(metas, datas, strict=True)]
         # the facade verified the checksums on these very bytes (same shared memory)
         tensors = unpack_all(buckets, check=False)
-        return self._rlinfer_apply(tensors, map_s=time.perf_counter() - started)
+        return {**self._rlinfer_apply(tensors, map_s=time.perf_counter() - started), "ipc_reused": reused}
 
     def rlinfer_load_dir(self, path: str) -> dict[str, float]:
         """Load every tensor of a safetensors directory, all checked finite first."""

@@ -52,8 +52,9 @@ class StagedWeightsWorker:
 
         metas = pickle.loads(manifests)
         datas = [t for _, t in ipc.loads(payload)]
+        reused = ipc.keep_mapped(datas)  # the sender's next update may reuse these buffers
         buckets = [Bucket(m, d) for m, d in zip(metas, datas, strict=True)]
-        return self._rlinfer_stage(staging_id, unpack_all(buckets, check=False), copy=True)
+        return {**self._rlinfer_stage(staging_id, unpack_all(buckets, check=False), copy=True), "ipc_reused": reused}
 
     def rlinfer_stage_dir(self, staging_id: str, path: str) -> dict[str, float]:
         """Stage every tensor of a safetensors directory, all checked finite."""

@@ -1,0 +1,46 @@
+"""CUDA tensors of the trainer reach vLLM's worker through buffers mapped once: the second and
+later updates of one layout reuse the buffers the worker mapped for the first
+(rlinfer_core.transfer.arena), and the engine serves each update's weights. Needs a CUDA GPU."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a CUDA GPU")
+
+
+def reused_per_update(caplog: pytest.LogCaptureFixture) -> list[Any]:
+    """``ipc_reused`` of each update's debug line (the backend's dict of worker timings)."""
+    rows = [a for r in caplog.records if isinstance(r.args, tuple) for a in r.args if isinstance(a, dict)]
+    return [row["ipc_reused"] for row in rows if "ipc_reused" in row]
+
+
+def test_later_cuda_updates_map_no_new_buffer(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from rlinfer_core.engine import Engine
+    from rlinfer_core.tiny_model import make_tiny_model
+    from rlinfer_core.transfer.disk import read_tensors
+    from rlinfer_core.weights import NamedTensors
+
+    model = make_tiny_model(tmp_path / "model", seed=0)
+    base = [(name, t.to("cuda")) for name, t in read_tensors(model)]
+    engine = Engine.open("vllm", model=str(model), dtype="float32", device="cuda", gpu_memory_utilization=0.3)
+    try:
+        caplog.set_level(logging.DEBUG, logger="rlinfer_vllm")
+        for step in range(3):
+            update = [(name, t + 1e-3 * step) for name, t in base]
+            engine.update_weights(NamedTensors.of(update))
+            assert engine.verify_weights(update).ok
+        reused = reused_per_update(caplog)
+        assert len(reused) == 3, reused
+        assert reused[0] == 0  # the first update of a layout maps its buffers
+        assert reused[1] == reused[2] > 0, reused  # later ones map nothing new
+    finally:
+        engine.shutdown()
