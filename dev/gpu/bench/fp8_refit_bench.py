@@ -170,8 +170,9 @@ def run_phase(args: argparse.Namespace, name: str, quantization: str | None, sha
                 after_b = scores(engine, prompts, continuations)
         after_a = scores(engine, prompts, continuations)
         phase["refit_s"] = stats(seconds)
-        # the worker's own split (vLLM): load_s (checks + vLLM's load/reload), shadow_s (the reload
-        # mode's host copy of the update), map_s (mapping the CUDA-IPC handles), in ms
+        # the worker's own split (vLLM): load_s (checks + vLLM's load/reload, or the fast FP8 path's
+        # quantization: fast_fp8_updates counts those), shadow_s (the reload mode's host copy of the
+        # update; absent for fast FP8 updates), map_s (mapping the CUDA-IPC handles), in ms
         phase["worker"] = WORKER_TIMINGS.summary()
         phase["refit_seconds"] = seconds
         phase["refit_gb_per_s"] = nbytes / GB / statistics.median(seconds)

@@ -180,6 +180,8 @@ class WorkerTimings(logging.Handler):
             f"{k.removesuffix('_s')}_ms": statistics.median(r[k] for r in self.rows if k in r) for k in keys
         }
         out["fast_load_updates"] = sum(1 for r in self.rows if r.get("fast_load") == 1.0)
+        # FP8 engines: updates quantized by the worker itself (rlinfer_vllm.worker.fp8_load), no reload
+        out["fast_fp8_updates"] = sum(1 for r in self.rows if r.get("fast_fp8") == 1.0)
         # per update, in order: 0 on the first update of a layout, every bucket after it
         out["ipc_reused_buckets"] = [r.get("ipc_reused") for r in self.rows]
         out["updates"] = len(self.rows)

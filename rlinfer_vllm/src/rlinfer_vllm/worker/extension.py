@@ -32,7 +32,8 @@ dtype) - the *shadow* - and:
   old weights) is loaded back before the error is raised.
 
 Its cost is one host-memory copy of the weights per worker, and a device-to-host copy of every
-update.
+update. On an online-FP8 engine (vLLM 0.26, CUDA) an update giving whole layers is quantized by the
+worker itself instead, without the reload or the shadow copy (:mod:`rlinfer_vllm.worker.fp8_load`).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
     import torch
 
     from rlinfer_vllm.worker.fast_load import FastLoader
+    from rlinfer_vllm.worker.fp8_load import Fp8FastLoader
 
 Pair = tuple[str, "torch.Tensor"]
 
@@ -67,6 +69,7 @@ class RLInferWorkerExtension(StagedWeightsWorker):
     _rlinfer_group: Any
     _rlinfer_tied: list[Any]  # modules whose kernel processing must follow a tied tensor
     _rlinfer_fast: FastLoader | None  # in-place mode on an engine where fast loads can apply
+    _rlinfer_fp8: Fp8FastLoader | None  # reload mode on an online-FP8 engine where fast loads can apply
 
     # --- setup --------------------------------------------------------------------------------
 
@@ -98,11 +101,13 @@ class RLInferWorkerExtension(StagedWeightsWorker):
             self._rlinfer_shadow[name] = shadow
         self._rlinfer_shadow_dir = None
         self._rlinfer_group = None
+        from rlinfer_vllm.worker.fp8_load import loader_for as fp8_loader_for
         from rlinfer_vllm.worker.reload_log import quiet_buffer_only_layers
         from rlinfer_vllm.worker.served import tied_modules
 
         self._rlinfer_tied = tied_modules(self.model_runner.get_model())
         self._rlinfer_fast = self._rlinfer_fast_loader() if self._rlinfer_shadow is None else None
+        self._rlinfer_fp8 = None if self._rlinfer_shadow is None else fp8_loader_for(self)
         quiet_buffer_only_layers(self.model_runner.get_model())  # "RotaryEmbedding: Failed to load weights"
         specs = self._rlinfer_specs.items()
         return [(name, str(dtype).removeprefix("torch."), list(shape)) for name, (dtype, shape) in specs]
@@ -266,6 +271,13 @@ class RLInferWorkerExtension(StagedWeightsWorker):
         tensors = unpack_all(buckets, check=False)
         return {**self._rlinfer_apply(tensors, map_s=time.perf_counter() - started), "ipc_reused": reused}
 
+    def rlinfer_release_mapped(self) -> None:
+        """Drop the CUDA buckets kept mapped since the last update (at shutdown, so that the
+        sender's buffers can be freed: :meth:`rlinfer_core.transfer.arena.PackArena.close`)."""
+        from rlinfer_core.transfer import ipc
+
+        ipc.keep_mapped(())
+
     def rlinfer_load_dir(self, path: str) -> dict[str, float]:
         """Load every tensor of a safetensors directory, all checked finite first."""
         from rlinfer_core.transfer.disk import read_checked
@@ -307,9 +319,9 @@ class RLInferWorkerExtension(StagedWeightsWorker):
     def rlinfer_shadow_from_dir(self, path: str) -> None:
         """Note that the engine now serves the checkpoint at ``path`` (loaded by vLLM itself)."""
         self._rlinfer_shadow_dir = path
-        fast = getattr(self, "_rlinfer_fast", None)
-        if fast is not None:
-            fast.invalidate()  # vLLM's reload may have replaced parameters
+        for fast in (getattr(self, "_rlinfer_fast", None), getattr(self, "_rlinfer_fp8", None)):
+            if fast is not None:
+                fast.invalidate()  # vLLM's reload may have replaced parameters
         self._rlinfer_after_reload()
 
     def rlinfer_weights_checksum(self, tied: dict[str, str]) -> list[tuple[str, str, list[int], str]]:
@@ -340,7 +352,9 @@ class RLInferWorkerExtension(StagedWeightsWorker):
         if self.vllm_config.parallel_config.tensor_parallel_size != 1:
             raise NotImplementedError("the quantized check needs tensor_parallel_size=1 (each rank holds a shard)")
         self._rlinfer_sync_shadow(shadow)
-        return quantized_check(self.model_runner.get_model(), shadow, self.vllm_config.model_config.dtype)
+        sent = shadow if self._rlinfer_fp8 is None else self._rlinfer_fp8.sent(shadow)  # records where stale
+        model, dtype = self.model_runner.get_model(), self.vllm_config.model_config.dtype
+        return quantized_check(model, sent, dtype, self._rlinfer_specs)
 
     # --- loading ------------------------------------------------------------------------------
 
@@ -348,7 +362,8 @@ class RLInferWorkerExtension(StagedWeightsWorker):
         """Load ``tensors`` all-or-nothing; return how many, and the seconds spent getting them
         (``map_s``: mapping, reading or receiving) and loading them (``load_s``, checks included);
         ``fast_load``: 1.0 where one batched copy loaded them (:mod:`rlinfer_vllm.worker.fast_load`), with
-        ``fast_plan_s``, the time spent finding the parameter slices (0 once cached)."""
+        ``fast_plan_s``, the time spent finding the parameter slices (0 once cached); ``fast_fp8``: 1.0
+        where an FP8 engine quantized them itself (:mod:`rlinfer_vllm.worker.fp8_load`)."""
         from rlinfer_core.fault_plan import planted
 
         started = time.perf_counter()
@@ -361,8 +376,11 @@ class RLInferWorkerExtension(StagedWeightsWorker):
             if fast is not None:
                 timings["fast_plan_s"] = fast.plan_s
         else:
-            timings["shadow_s"] = self._rlinfer_reload(tensors, self._rlinfer_shadow)
-            timings["fast_load"] = 0.0
+            fp8 = self._rlinfer_fp8
+            timings.update(fast_load=0.0, fast_fp8=float(fp8 is not None and fp8.load(tensors)))
+            timings.update({} if fp8 is None else {"fast_plan_s": fp8.plan_s})
+            if not timings["fast_fp8"]:
+                timings["shadow_s"] = self._rlinfer_reload(tensors, self._rlinfer_shadow)
         timings["load_s"] = time.perf_counter() - started
         return timings
 
@@ -398,6 +416,8 @@ class RLInferWorkerExtension(StagedWeightsWorker):
             items: list[Pair] = list(given.items())
         else:
             self._rlinfer_sync_shadow(shadow)
+            if self._rlinfer_fp8 is not None:  # the fast FP8 path leaves the shadow behind
+                self._rlinfer_fp8.require_fresh(name for name in shadow if name not in given)
             items = [(name, given.get(name, old)) for name, old in shadow.items()]
         try:
             self.reload_weights(weights_iterator=iter(items))  # type: ignore[attr-defined]
@@ -415,6 +435,8 @@ class RLInferWorkerExtension(StagedWeightsWorker):
             torch.cuda.current_stream().synchronize()
         if full:
             self._rlinfer_shadow_dir = None  # every entry was just overwritten
+        if self._rlinfer_fp8 is not None:
+            self._rlinfer_fp8.refreshed(given)
         return time.perf_counter() - started
 
     def _rlinfer_check(self, tensors: Sequence[Pair]) -> None:
@@ -448,6 +470,8 @@ class RLInferWorkerExtension(StagedWeightsWorker):
         # that the next reload starts clean instead of skipping half-initialised layers
         finalize_layerwise_reload(self.model_runner.get_model(), self.vllm_config.model_config)
         self._rlinfer_sync_shadow(shadow)
+        if self._rlinfer_fp8 is not None:  # weights served before were loaded fast: the shadow lacks them
+            self._rlinfer_fp8.require_restorable()
         self.reload_weights(weights_iterator=iter(list(shadow.items())))  # type: ignore[attr-defined]
         self._rlinfer_after_reload()
 
@@ -477,4 +501,6 @@ class RLInferWorkerExtension(StagedWeightsWorker):
         for name, tensor in read_tensors(path):
             if name in shadow:
                 shadow[name].copy_(tensor)
+        if self._rlinfer_fp8 is not None:  # the shadow holds what vLLM loaded from the directory
+            self._rlinfer_fp8.refreshed(shadow)
         self._rlinfer_shadow_dir = None

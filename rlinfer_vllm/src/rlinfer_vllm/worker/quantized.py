@@ -10,7 +10,9 @@ so the check does not depend on how the kernel lays out its codes and scales. Ea
 must lie within FP8 E4M3's rounding of the sent tensor (:func:`rlinfer_core.quantized.match_quantized`,
 with the layer's ``weight_scale``); every other tensor (embeddings, norms, an unquantized output
 head) must be served bit for bit. The sent tensors are the worker's host copy of the last update
-(the reload mode's shadow), so no tensor travels for the check.
+(the reload mode's shadow), so no tensor travels for the check; where the fast FP8 path loaded the
+last update (:mod:`rlinfer_vllm.worker.fp8_load`, which keeps no shadow) only the first rows of each
+tensor were recorded, and those rows are compared (counted as ``sampled``).
 """
 
 from __future__ import annotations
@@ -47,12 +49,16 @@ def kernel_weight(module: Any, rows: int, cols: int, dtype: torch.dtype) -> torc
     return torch.cat(parts, dim=0).t().contiguous()
 
 
-def quantized_check(model: Any, shadow: Mapping[str, torch.Tensor], dtype: torch.dtype) -> dict[str, Any]:
-    """Compare what ``model`` serves with ``shadow`` (HF name -> the sent tensor).
+def quantized_check(
+    model: Any, shadow: Mapping[str, torch.Tensor], dtype: torch.dtype, shapes: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """Compare what ``model`` serves with ``shadow`` (HF name -> the sent tensor, or its first rows
+    where ``shapes`` (HF name -> (dtype, shape), the checkpoint's specs) gives more).
 
-    Returns ``quantized`` / ``exact``: how many names were checked each way, ``mismatched``: the
-    names outside their bound (or not bit-equal), ``unchecked``: names that map onto nothing
-    readable, ``worst_ratio`` / ``worst_name`` / ``max_abs_error`` over the quantized ones.
+    Returns ``quantized`` / ``exact``: how many names were checked each way, ``sampled``: how many
+    of those on their first rows only, ``mismatched``: the names outside their bound (or not
+    bit-equal), ``unchecked``: names that map onto nothing readable, ``worst_ratio`` /
+    ``worst_name`` / ``max_abs_error`` over the quantized ones.
     """
     import torch
 
@@ -62,7 +68,8 @@ def quantized_check(model: Any, shadow: Mapping[str, torch.Tensor], dtype: torch
     modules = dict(model.named_modules())
     fused = fused_parts(model)
     read: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # module name -> (weight, scale grid)
-    report: dict[str, Any] = {"quantized": 0, "exact": 0, "mismatched": [], "unchecked": []}
+    report: dict[str, Any] = {"quantized": 0, "exact": 0, "sampled": 0, "mismatched": [], "unchecked": []}
+    full = {name: tuple((shapes or {}).get(name, (None, sent.shape))[1]) for name, sent in shadow.items()}
     worst = (0.0, "", 0.0)
     plain: dict[str, tuple[int, ...]] = {}
     for name, sent in shadow.items():
@@ -75,7 +82,7 @@ def quantized_check(model: Any, shadow: Mapping[str, torch.Tensor], dtype: torch
                 part = fused[leaf][1]
         module = modules.get(module_name)
         if module is None or attr != "weight" or not is_quantized_linear(module):
-            plain[name] = tuple(sent.shape)
+            plain[name] = full[name]
             continue
         rows, cols = int(module.output_size_per_partition), int(module.input_size_per_partition)
         if module_name not in read:
@@ -86,6 +93,10 @@ def quantized_check(model: Any, shadow: Mapping[str, torch.Tensor], dtype: torch
             start = sum(sizes[:part])
             weight = weight[start : start + sizes[part]]
             scale = scale[start : start + sizes[part]] if scale.shape[0] == rows else scale
+        if tuple(sent.shape) != full[name]:  # a record of the first rows
+            report["sampled"] += 1
+            weight = weight[: sent.shape[0]] if tuple(weight.shape) == full[name] else weight
+            scale = scale[: sent.shape[0]] if scale.shape[0] == full[name][0] else scale
         if tuple(weight.shape) != tuple(sent.shape):
             report["unchecked"].append(name)
             continue
@@ -104,7 +115,11 @@ def quantized_check(model: Any, shadow: Mapping[str, torch.Tensor], dtype: torch
             report["unchecked"].append(name)
             continue
         report["exact"] += 1
-        if not torch.equal(tensor.to(device="cpu", dtype=shadow[name].dtype), shadow[name]):
+        sent = shadow[name]
+        if tuple(sent.shape) != full[name]:  # a record of the first rows
+            report["sampled"] += 1
+            tensor = tensor[: sent.shape[0]]
+        if not torch.equal(tensor.to(device="cpu", dtype=sent.dtype), sent.to("cpu")):
             report["mismatched"].append(name)
     report.update(worst_ratio=worst[0], worst_name=worst[1], max_abs_error=worst[2])
     return report
