@@ -92,6 +92,29 @@ def test_clear_and_a_failed_send_drop_the_buffers() -> None:
     assert arena.reuses == 0
 
 
+def test_close_asks_the_receiver_to_let_go_only_after_a_pack() -> None:
+    import asyncio
+
+    calls: list[str] = []
+
+    async def lets_go() -> None:  # a test double of the engine's call
+        calls.append("let go")
+
+    async def dead_engine() -> None:
+        raise RuntimeError("the engine is gone")
+
+    untouched = PackArena()
+    asyncio.run(untouched.close(lets_go))
+    assert calls == []  # nothing packed (a CPU engine): no call at shutdown
+    arena = PackArena()
+    arena.pack(weights(0, [("float32", (8,))]))
+    asyncio.run(arena.close(lets_go))
+    assert calls == ["let go"] and arena.nbytes == 0
+    arena.pack(weights(0, [("float32", (8,))]))
+    asyncio.run(arena.close(dead_engine))  # best effort: shutdown goes on
+    assert arena.nbytes == 0
+
+
 def test_the_environment_turns_reuse_off(monkeypatch: pytest.MonkeyPatch) -> None:
     tensors = weights(0, [("float32", (8,))])
     monkeypatch.setenv(REUSE_ENV, "0")

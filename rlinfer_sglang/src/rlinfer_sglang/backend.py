@@ -138,8 +138,8 @@ class SGLangBackend(Generation, Pausing, AgentHooks):
     async def rlinfer_shutdown(self) -> None:
         """Stop the engine; kill exactly the processes its start created (none is left); an
         attached server keeps running."""
+        await self._ipc_arena.close(lambda: self._scheduler_op({"op": "release_mapped"}, flush=False))
         await self._transport.shutdown()
-        self._ipc_arena.clear()
         shutil.rmtree(self._result_dir, ignore_errors=True)
         self._lora_cleanup()
 

@@ -133,8 +133,8 @@ class VllmBackend(WeightHooks, StagingHooks, MemoryHooks):
         if self._closed:
             return
         self._closed = True
+        await self._ipc_arena.close(lambda: self._transport.rpc("rlinfer_release_mapped"))
         await self._transport.shutdown()
-        self._ipc_arena.clear()
 
     @hookimpl
     def rlinfer_engine_processes(self) -> Mapping[str, int]:

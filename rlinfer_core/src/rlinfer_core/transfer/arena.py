@@ -18,9 +18,10 @@ the trainer's environment makes the backends pack fresh buffers for every update
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
@@ -56,6 +57,8 @@ class PackArena:
         self._slots: list[torch.Tensor] = []
         #: how many packs reused the buffers (for tests and benches)
         self.reuses = 0
+        #: whether anything was packed here, so a receiver may hold mapped buffers (see close)
+        self.packed = False
 
     @property
     def nbytes(self) -> int:
@@ -77,6 +80,7 @@ class PackArena:
 
         from rlinfer_core.transfer.buckets import as_bytes
 
+        self.packed = True
         layout = _layout(tensors, max_bucket_bytes, device)
         if layout is not None and layout == self._layout:
             torch._foreach_copy_(self._slots, [as_bytes(t) for _, t in tensors])
@@ -91,6 +95,16 @@ class PackArena:
     def clear(self) -> None:
         """Drop the buffers (a receiver still holding them keeps them alive until it lets go)."""
         self._layout, self._buckets, self._slots = None, [], []
+
+    async def close(self, receiver_lets_go: Callable[[], Awaitable[object]], timeout_s: float = 10.0) -> None:
+        """At engine shutdown, while the engine still runs: have the receiver drop the buffers it
+        keeps mapped (``receiver_lets_go``, best effort, only if anything was packed here), then
+        clear. torch frees a shared buffer only once every receiver that mapped it let go: one
+        that is killed holding it would leave it allocated on the sender's GPU for good."""
+        if self.packed:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(receiver_lets_go(), timeout_s)
+        self.clear()
 
     @contextlib.contextmanager
     def sending(self) -> Iterator[None]:

@@ -12,6 +12,8 @@ the model and the deserialized ``(name, tensor)`` pairs. The first pair is a con
   builder, so both ends build the same group) as rank 1 + tensor-parallel rank.
 - ``broadcast``: receive ``specs`` from rank 0 of group ``group_name``.
 - ``checksum``: checksums of the served parameters, mapped back to the HF names ``specs``.
+- ``release_mapped``: drop the CUDA buckets kept mapped since the last ``buckets`` update (at
+  shutdown, so that the sender can free them: ``rlinfer_core.transfer.arena.PackArena.close``).
 
 After loading, the outcome holds ``lengths``: rid -> ``len(output_ids)`` of every request the
 scheduler holds at that moment (the per-token weight versions, see :mod:`rlinfer_sglang.versions`).
@@ -285,6 +287,10 @@ def load(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
             _join(control)
         elif control["op"] == "checksum":
             outcome["checksums"] = _checksums(model, control["specs"])
+        elif control["op"] == "release_mapped":
+            from rlinfer_core.transfer.ipc import keep_mapped
+
+            keep_mapped(())
         else:
             started = time.perf_counter()
             tensors = _gather(model, control, list(named_tensors[1:]))

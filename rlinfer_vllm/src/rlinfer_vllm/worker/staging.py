@@ -76,6 +76,13 @@ class StagedWeightsWorker:
         staged = self._rlinfer_staged_of().pop(staging_id, None) or {}
         return sum(t.numel() * t.element_size() for t in staged.values())
 
+    def rlinfer_release_mapped(self) -> None:
+        """Drop the CUDA buckets kept mapped since the last update or staging (at shutdown, so that
+        the sender can free them: :meth:`rlinfer_core.transfer.arena.PackArena.close`)."""
+        from rlinfer_core.transfer import ipc
+
+        ipc.keep_mapped(())
+
     def rlinfer_staged_bytes(self) -> int:
         """Bytes this worker holds staged (every staging id)."""
         return sum(t.numel() * t.element_size() for s in self._rlinfer_staged_of().values() for t in s.values())
