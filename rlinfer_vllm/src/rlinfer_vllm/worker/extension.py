@@ -271,13 +271,6 @@ class RLInferWorkerExtension(StagedWeightsWorker):
         tensors = unpack_all(buckets, check=False)
         return {**self._rlinfer_apply(tensors, map_s=time.perf_counter() - started), "ipc_reused": reused}
 
-    def rlinfer_release_mapped(self) -> None:
-        """Drop the CUDA buckets kept mapped since the last update (at shutdown, so that the
-        sender's buffers can be freed: :meth:`rlinfer_core.transfer.arena.PackArena.close`)."""
-        from rlinfer_core.transfer import ipc
-
-        ipc.keep_mapped(())
-
     def rlinfer_load_dir(self, path: str) -> dict[str, float]:
         """Load every tensor of a safetensors directory, all checked finite first."""
         from rlinfer_core.transfer.disk import read_checked
