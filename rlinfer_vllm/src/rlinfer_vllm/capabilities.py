@@ -155,7 +155,10 @@ CPU_NOTES = {
 QUANTIZED_RELOAD_NOTE = (
     "engine_kwargs quantization='fp8' on a BF16 checkpoint: vLLM quantizes online; updates carry the checkpoint's "
     "BF16 names and shapes (weight_specs) and go through vLLM's layer-wise reload, which re-runs the FP8 "
-    "quantization of every layer (full updates; a partial one is merged into the worker's host copy first). "
+    "quantization of every layer (full updates; a partial one is merged into the worker's host copy first); on "
+    "vLLM 0.26 (Llama/Qwen2/Qwen3, TP=1) an update giving whole layers is quantized by the worker with vLLM's "
+    "op instead, without the reload or the host copy, after which an update giving part of a fused layer is "
+    "refused (rlinfer_vllm.worker.fp8_load). "
     "weights.checksum is not claimed (FP8 codes and scales are not the sent bytes), so verify_updates checks "
     "nothing more; VllmBackend.quantized_check() reads every linear weight back through its FP8 kernel and "
     "bounds it by E4M3 rounding of the sent tensor (rlinfer_core.quantized), the other tensors bit for bit. "
