@@ -6,11 +6,15 @@ vLLM's online FP8 does not run on CPU (its quantization op has no CPU kernel), s
 ``Fp8PerTensorOnlineLinearMethod`` leaves on a CUDA layer (E4M3 codes stored as the transpose of a
 contiguous ``[out, in]``, one float32 scale, ``logical_widths`` in q/k/v and gate/up order), and
 ``reference_fp8``, a torch stand-in for ``ops.scaled_fp8_quant`` (amax / 448, per tensor). The
-real quantization, on the real layers, runs on the GPU (dev/gpu/run_suite.sh vllm fp8).
+real quantization, on the real layers, runs on the GPU: the last test (vLLM 0.26 on CUDA only;
+on CPU vLLM's online FP8 does not start, see capabilities.py) and dev/gpu/run_suite.sh vllm fp8.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, ClassVar
 
@@ -255,3 +259,71 @@ def test_load_writes_nothing_for_a_partial_fused_update() -> None:
     partial = [(n, t) for n, t in update(2) if "k_proj" not in n]
     assert not loader.load(partial)
     assert torch.equal(model.lm_head.weight, before) and not loader.stale and not loader.records
+
+
+# --- the real engine, vLLM 0.26 on CUDA only ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fp8_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Path, Path]]:
+    import vllm
+
+    if not torch.cuda.is_available() or not vllm.__version__.startswith(fp8_load.VLLM_SERIES):
+        pytest.skip(f"needs vLLM {fp8_load.VLLM_SERIES}x on CUDA (online FP8 does not run on CPU)")
+    from vllm_test_helpers import ENGINE_FIELDS
+
+    from rlinfer_core.engine import open_engine
+    from rlinfer_core.tiny_model import TinyModelSpec, make_tiny_model
+
+    root = tmp_path_factory.mktemp("vllm-fp8-load")
+    spec = TinyModelSpec(architecture="qwen2")  # q/k/v biases (plain copies), head tied to the embedding
+    models = make_tiny_model(root / "seed0", seed=0, spec=spec), make_tiny_model(root / "seed1", seed=1, spec=spec)
+    fields = ENGINE_FIELDS | {"dtype": "bfloat16", "engine_kwargs": {"quantization": "fp8"}}
+    eng = open_engine("vllm", model=str(models[0]), load_entry_point_plugins=False, **fields)
+    try:
+        yield eng, *models
+    finally:
+        eng.shutdown()
+
+
+def test_cuda_fp8_engine_quantizes_updates_as_vllm_does(
+    fp8_engine: tuple[Any, Path, Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM quantized the checkpoint at start; the same weights sent again through the fast path
+    give bit-identical logprobs (same codes, same scales), another policy is served, the check
+    passes on the recorded rows, and a partial fused update after it is refused, serving on."""
+    from vllm_test_helpers import state_dict
+
+    from rlinfer_core.scoring import ScoreRequest
+    from rlinfer_core.weights import NamedTensors
+
+    engine, base, other = fp8_engine
+    backend = engine.async_engine._backend
+    requests = [ScoreRequest([5, 6, 7, 10, 11], [12, 13, 14]), ScoreRequest([40, 41], [42, 43, 44, 45])]
+
+    def scores() -> list[list[float]]:
+        return [list(s.logprobs) for s in engine.score(requests)]
+
+    def send(model: Path) -> dict[str, Any]:
+        tensors = {n: t.to("cuda", torch.bfloat16) for n, t in state_dict(model).items() if n in engine.weight_specs}
+        with caplog.at_level(logging.DEBUG, logger="rlinfer_vllm.backend"):
+            engine.update_weights(NamedTensors.of(tensors))
+        rows = [r.args[1] for r in caplog.records if r.name == "rlinfer_vllm.backend" and "worker" in str(r.msg)]
+        return dict(rows[-1])
+
+    first = scores()
+    assert send(base)["fast_fp8"] == 1.0, "the fast FP8 path did not run (its reason is logged at INFO)"
+    assert scores() == first, "the fast path's FP8 weights differ from vLLM's own quantization"
+    assert send(other)["fast_fp8"] == 1.0 and scores() != first
+    check = engine._run(backend.quantized_check())
+    assert not check["mismatched"] and not check["unchecked"] and check["sampled"] > 0
+    assert check["quantized"] + check["exact"] == len(engine.weight_specs)
+    assert send(base)["fast_fp8"] == 1.0 and scores() == first
+
+    q_name = next(n for n in engine.weight_specs if n.endswith("q_proj.weight"))
+    from rlinfer_core.errors import WeightUpdateError
+
+    with pytest.raises(WeightUpdateError, match="fused FP8 layer"):
+        q = torch.zeros(engine.weight_specs[q_name].shape, dtype=torch.bfloat16, device="cuda")
+        engine.update_weights(NamedTensors.of({q_name: q}))
+    assert scores() == first

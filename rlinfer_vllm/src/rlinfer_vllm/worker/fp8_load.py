@@ -149,7 +149,7 @@ def layer_problem(module: Any) -> str | None:
     return None
 
 
-@attrs.frozen
+@attrs.frozen(eq=False)
 class Fp8Layer:
     """One FP8 linear layer: the checkpoint names of its parts in row order, their rows, and the
     live tensors to write (``codes``: the contiguous ``[out, in]`` the layer's ``weight`` views)."""
@@ -196,7 +196,7 @@ def plan_layers(
     return layers
 
 
-@attrs.frozen
+@attrs.frozen(eq=False)
 class Fp8Plan:
     """Where each checkpoint name goes: an FP8 layer's part (``by_part``), a parameter slice
     (``views``, unquantized tensors), or nowhere (``skipped``, a tied model's ``lm_head``)."""
