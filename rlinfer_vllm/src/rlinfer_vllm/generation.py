@@ -88,6 +88,8 @@ class Generation(RawLogprobs):
         ids = self._prompt_ids(llm, request)
         prompt, prompt_len = self._engine_prompt(request, ids)
         params = engine_io.sampling_params(request, prompt_len, self._max_len(), RequestOutputKind.FINAL_ONLY)
+        versions = self._versions
+        assert versions is not None
         started = time.perf_counter()
         last = None
         served = self._lora_acquire(request)
@@ -97,16 +99,16 @@ class Generation(RawLogprobs):
             try:
                 async with self._gate.enter(request.request_id) as entry:
                     if entry.admitted:
+                        # the salt of the version live at admission (rlinfer_vllm.versions)
+                        salted = {**prompt, "cache_salt": versions.admit(request.request_id, params.n)}
                         async for out in llm.generate(
-                            prompt, params, request.request_id, lora_request=lora, priority=request.priority
+                            salted, params, request.request_id, lora_request=lora, priority=request.priority
                         ):
                             last = out
             except Exception as exc:
                 raise self._translate(exc) from exc
             finally:
                 self._inflight.discard(request.request_id)
-            versions = self._versions
-            assert versions is not None
             latency = time.perf_counter() - started
             if last is None:
                 versions.forget(request.request_id, params.n)
@@ -144,8 +146,9 @@ class Generation(RawLogprobs):
                             request.request_id, index, (), (), FinishReason.ABORT, None, versions.version, ()
                         )
                     return
+                salted = {**prompt, "cache_salt": versions.admit(request.request_id, params.n)}
                 async for out in llm.generate(
-                    prompt, params, request.request_id, lora_request=lora, priority=request.priority
+                    salted, params, request.request_id, lora_request=lora, priority=request.priority
                 ):
                     if out.finished:  # ended in the engine; the consumer may read it later
                         self._inflight.discard(request.request_id)

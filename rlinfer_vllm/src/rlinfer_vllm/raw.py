@@ -78,7 +78,10 @@ class RawLogprobs:
         self._scoring += 1
         try:
             async with self._gate.enter(rid):
-                async for out in llm.generate(tokens_input([*prompt, *tokens]), params, rid, lora_request=lora):
+                assert self._versions is not None
+                salt = self._versions.admit(rid, 1)  # a scoring prefills too (rlinfer_vllm.versions)
+                scoring = tokens_input([*prompt, *tokens], cache_salt=salt)
+                async for out in llm.generate(scoring, params, rid, lora_request=lora):
                     last = out
         except Exception as exc:
             raise self._translate(exc) from exc

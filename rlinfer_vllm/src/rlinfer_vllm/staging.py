@@ -60,7 +60,7 @@ class StagingHooks:
 
         def _alive(self) -> Transport: ...
 
-        def _paused_for_load(self) -> contextlib.AbstractAsyncContextManager[Transport]: ...
+        def _paused_for_load(self, new_version: bool) -> contextlib.AbstractAsyncContextManager[Transport]: ...
 
     @hookimpl
     async def rlinfer_stage_weights(self, staging_id: str, update: WeightUpdate) -> None:
@@ -75,7 +75,7 @@ class StagingHooks:
     async def rlinfer_commit_staged_weights(self, staging_id: str, version: int) -> None:
         """Load the staged tensors while the scheduler is paused; tokens after it are ``version``."""
         with failures_typed("load the staged update"):
-            async with self._paused_for_load() as transport:
+            async with self._paused_for_load(True) as transport:
                 worker = await transport.rpc("rlinfer_commit_staged", staging_id)
                 await transport.label_version(version)
         logger.debug("committed %s: %s", staging_id, worker)

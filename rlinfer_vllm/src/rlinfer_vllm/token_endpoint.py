@@ -82,9 +82,12 @@ def sampling(request: GenerateRequest, prompt_len: int, max_model_len: int) -> d
     return params
 
 
-def body(request: GenerateRequest, prompt_ids: Sequence[int], max_model_len: int, stream: bool) -> dict[str, Any]:
-    """The JSON body of ``/inference/v1/generate`` for ``request``."""
-    return {
+def body(
+    request: GenerateRequest, prompt_ids: Sequence[int], max_model_len: int, stream: bool, salt: str | None
+) -> dict[str, Any]:
+    """The JSON body of ``/inference/v1/generate`` for ``request`` (``salt``: its ``cache_salt``,
+    :mod:`rlinfer_vllm.versions`)."""
+    payload = {
         "request_id": request.request_id,
         "token_ids": list(prompt_ids),
         "sampling_params": sampling(request, len(prompt_ids), max_model_len),
@@ -92,6 +95,9 @@ def body(request: GenerateRequest, prompt_ids: Sequence[int], max_model_len: int
         "output_mode": "tokens",
         "priority": request.priority,
     }
+    if salt is not None:
+        payload["cache_salt"] = salt
+    return payload
 
 
 def _lp(value: float) -> float:

@@ -10,14 +10,34 @@ A weight update is loaded while vLLM's scheduler is paused (the caller's ``pause
 pause in "keep" mode that the backend takes around the load itself): vLLM answers the pause only
 once no step is in flight and every earlier step's outputs went out. So every token counted before
 the version switch was computed by the old weights, and every token after it by the new ones.
+
+Prefix-cache salt: every request reaches vLLM with a ``cache_salt`` naming the version live when
+it was admitted (:func:`cache_salt`, taken by :meth:`TokenVersions.admit` in the same step as the
+backend's load gate admits it), and vLLM hashes a prompt's first block with it. A prefix computed
+by older weights is then never hit by a request of a newer version, so a weight update needs no
+prefix-cache reset unless a request admitted before it has not finished its prefill yet (it would
+prefill with the new weights under the old salt): :attr:`TokenVersions.unstarted` says so.
 """
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 #: (the caller's request id, sample index)
 Key = tuple[str, int]
+
+
+def salt_nonce() -> str:
+    """A per-backend prefix for its salts: two backends (or two attachments to one server) count
+    versions from 0 each, and must not read each other's prefixes."""
+    return uuid.uuid4().hex[:12]
+
+
+def cache_salt(nonce: str, version: int) -> str:
+    """vLLM's ``cache_salt`` for requests served by weight ``version`` (non-empty, at most 128
+    characters, none of ``@ / \\`` or NUL, as vLLM requires)."""
+    return f"rlinfer-{nonce}-v{version}"
 
 
 class TokenVersions:
@@ -25,6 +45,9 @@ class TokenVersions:
 
     def __init__(self, llm: Any) -> None:
         self.version = 0  #: the version of the weights the engine computes with now
+        self.nonce = salt_nonce()
+        #: samples admitted with a salt whose first token was not counted yet, by request id
+        self._unstarted: dict[str, set[int]] = {}
         self._states = llm.output_processor.request_states
         self._runs: dict[Key, list[list[int]]] = {}
         self._taken: dict[Key, int] = {}
@@ -46,11 +69,28 @@ class TokenVersions:
                 continue
             parent = getattr(state, "parent_req", None)
             external = getattr(parent if parent is not None else state, "external_req_id", None) or out.request_id
-            runs = self._runs.setdefault((external, int(getattr(state, "request_index", 0))), [])
+            index = int(getattr(state, "request_index", 0))
+            waiting = self._unstarted.get(external)
+            if waiting is not None:
+                waiting.discard(index)
+                if not waiting:
+                    del self._unstarted[external]
+            runs = self._runs.setdefault((external, index), [])
             if runs and runs[-1][0] == self.version:
                 runs[-1][1] += n
             else:
                 runs.append([self.version, n])
+
+    def admit(self, request_id: str, n: int) -> str:
+        """The salt of a request the load gate admits now with ``n`` samples (the live version),
+        counted as unstarted until each sample's first token is counted."""
+        self._unstarted[request_id] = set(range(n))
+        return cache_salt(self.nonce, self.version)
+
+    @property
+    def unstarted(self) -> bool:
+        """Whether an admitted sample has no token counted yet (it may not have prefilled)."""
+        return bool(self._unstarted)
 
     def take(self, request_id: str, index: int, count: int) -> tuple[int, ...]:
         """Versions of the sample's next ``count`` tokens (a stream consumes them delta by delta).
@@ -71,6 +111,7 @@ class TokenVersions:
 
     def forget(self, request_id: str, n: int) -> None:
         """Drop what is kept for the request's ``n`` samples."""
+        self._unstarted.pop(request_id, None)
         for index in range(n):
             self._runs.pop((request_id, index), None)
             self._taken.pop((request_id, index), None)

@@ -83,29 +83,45 @@ class WeightHooks:
         """Implemented by the backend."""
         raise NotImplementedError
 
+    #: the facade skips its prefix-cache reset after an update: :meth:`_after_load` does what is needed
+    update_invalidates_prefixes = True
+
     @contextlib.asynccontextmanager
-    async def _paused_for_load(self) -> AsyncIterator[Transport]:
+    async def _paused_for_load(self, new_version: bool) -> AsyncIterator[Transport]:
         """Hold the scheduler paused (the caller's pause, or one in "keep" mode taken here) while
         weights load, so that no engine step overlaps the load: the boundary between old- and
         new-version tokens is exact. KV caches are kept. With none of our requests in the engine
         (a gated transport), holding new ones back does the same without the two round trips of
-        a pause (:mod:`rlinfer_vllm.load_gate`)."""
+        a pause (:mod:`rlinfer_vllm.load_gate`). ``new_version``: the load labels a new version."""
         transport = self._alive()
         async with self._pause_lock, self._gate.held() as idle:
-            if self._user_pause is not None:
+            if self._user_pause is not None or (idle and transport.gated):
                 yield transport
-                return
-            if idle and transport.gated:
-                yield transport
-                await self.rlinfer_reset_prefix_cache()  # a no-op unless requests ran since the last one
+                await self._after_load(transport, new_version)
                 return
             await transport.pause_for_load()
             try:
                 yield transport
-                # nothing may reuse a prefix computed by the old weights once steps run again
-                await self.rlinfer_reset_prefix_cache()
+                await self._after_load(transport, new_version)  # before any step runs again
             finally:
                 await transport.resume_after_load()
+
+    async def _after_load(self, transport: Transport, new_version: bool) -> None:
+        """Leave no prefix computed by the old weights to a request of the new version.
+
+        Salted requests (:mod:`rlinfer_vllm.versions`) need no prefix-cache reset: the new
+        version's salt reaches none of the old blocks, and running requests keep their KV. Unless
+        a request admitted under the old salt may not have prefilled yet (it would prefill with
+        the new weights and could read old blocks): then, as on a transport that cannot salt,
+        vLLM's cache is reset (running requests recomputed if they hold blocks). Image embeddings
+        are keyed by the image alone, so the encoder cache is always dropped."""
+        if transport.salted and new_version and not transport.prefill_pending():
+            logger.debug("weight update: prefix cache kept (requests are salted by version)")
+            if transport.multimodal:
+                await transport.reset_encoder_cache()
+            return
+        logger.debug("weight update: prefix cache reset (salted: %s)", transport.salted)
+        await self.rlinfer_reset_prefix_cache()
 
     @hookimpl
     def rlinfer_weight_specs(self) -> Mapping[str, TensorSpec]:
@@ -120,7 +136,7 @@ class WeightHooks:
             started = time.perf_counter()
             prepared = await prepare_source(update.source, engine_gpus(self.config), self._ipc_arena)
             pack_s = time.perf_counter() - started
-            async with self._paused_for_load() as transport:
+            async with self._paused_for_load(update.version is not None) as transport:
                 with self._ipc_arena.sending():
                     worker = await send_source(update.source, prepared, transport.rpc)
                 if update.version is not None:

@@ -104,6 +104,43 @@ def test_update_hook_is_all_or_nothing_without_the_facade(engine: Engine, models
     assert greedy(engine) == before
 
 
+def test_update_leaves_the_prefix_cache_to_the_salt(engine: Engine, models: tuple[Path, Path]) -> None:
+    """A weight update resets nothing in vLLM: the prefix a request computed before it stays
+    cached under that version's salt, which no later request carries (rlinfer_vllm.versions);
+    the new version's salt finds none of it, and the explicit reset still drops it. Observed by
+    probes straight into AsyncLLM (``num_cached_tokens`` of a one-token request)."""
+    import uuid
+
+    from vllm import SamplingParams as EngineSampling
+
+    from rlinfer_vllm.versions import cache_salt
+
+    transport = backend_of(engine).transport
+    prompt = [3 + (7 * i) % 200 for i in range(300)]  # several KV blocks
+
+    def cached_under(version: int) -> int:
+        async def probe() -> int:
+            salted = {"prompt_token_ids": prompt, "cache_salt": cache_salt(transport._versions.nonce, version)}
+            last = None
+            async for out in transport._llm.generate(salted, EngineSampling(max_tokens=1), f"probe-{uuid.uuid4()}"):
+                last = out
+            assert last is not None
+            return int(last.num_cached_tokens or 0)
+
+        return engine._run(probe())
+
+    engine.generate(GenerateRequest(prompt_token_ids=prompt, sampling=SamplingParams(temperature=0.0, max_tokens=1)))
+    old = engine.weight_version
+    assert cached_under(old) > 0, "rlinfer's request did not carry its version's salt"
+    new = engine.update_weights(NamedTensors.of(state_dict(models[1])))
+    assert cached_under(old) > 0, "the update reset vLLM's prefix cache"
+    assert cached_under(new) == 0, "a request of the new version found a prefix of the old weights"
+    engine.reset_prefix_cache()
+    assert cached_under(old) == 0, "the explicit reset_prefix_cache left the prefix cached"
+    engine.update_weights(NamedTensors.of(state_dict(models[0])))
+    assert greedy(engine) == hf_greedy(models[0], state_dict(models[0]), PROMPTS, MAX_TOKENS)
+
+
 def test_bench_hooks(engine: Engine, models: tuple[Path, Path]) -> None:
     base, other = state_dict(models[0]), state_dict(models[1])
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, n=2)

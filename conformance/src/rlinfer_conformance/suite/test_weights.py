@@ -10,11 +10,12 @@ import pytest
 from rlinfer_conformance import trainer_side
 from rlinfer_conformance.world import BASE, CUDA_IPC_TRANSPORTS, LOGPROB_TOLERANCE, OTHER, KitWorld
 from rlinfer_core.errors import WeightUpdateError
-from rlinfer_core.types import Capability, Completion, MemoryTag
+from rlinfer_core.types import Capability, Completion, GenerateRequest, MemoryTag, SamplingParams
 from rlinfer_core.weights import Bucket, BucketManifest, Buckets, CheckpointDir, NamedTensors
 
 __all__ = [
     "test_update_to_second_model",
+    "test_update_never_serves_a_prefix_of_the_old_weights",
     "test_transports_give_identical_engines",
     "test_explicit_versions",
     "test_bad_weight_update_keeps_old_weights",
@@ -55,6 +56,32 @@ def test_update_to_second_model(rlinfer_base_weights: KitWorld, transport: Capab
     assert updated == [{"version": version, "transport": name}]
     world.update(transport, BASE)
     world.generate_and_check(f"after_update_back_{name}_v{version + 1}")
+
+
+#: a prompt of several KV blocks (engines cache whole blocks, vLLM of 16 or 128 tokens): the fixed prompts are too
+#: short to leave a reusable prefix in the engine's cache
+LONG_PROMPT = [1, *(3 + (7 * i) % 97 for i in range(299))]
+
+
+@pytest.mark.hooks("rlinfer_update_weights")
+def test_update_never_serves_a_prefix_of_the_old_weights(rlinfer_base_weights: KitWorld) -> None:
+    """The same long prompt before and after updates (to the other model, and back under a new
+    version): each answer is the served weights' own, greedy tokens and logprobs, so no prefix the
+    old weights computed was reused (the engine resets its prefix cache, or keys it by version)."""
+    world = rlinfer_base_weights
+    transport = world.local_transports()[0]
+    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=1)
+
+    def check(checkpoint: str | None) -> None:
+        requests = [GenerateRequest(prompt_token_ids=LONG_PROMPT, sampling=params, request_id=world.request_id())]
+        world.check_parity(checkpoint, requests, world.generate(requests))
+
+    check(None)  # fills the prefix cache with the base weights' KV of the prompt
+    check(None)  # served from it
+    world.update(transport, OTHER)
+    check("after_update_long_prompt")
+    world.update(transport, BASE)
+    check("after_update_back_long_prompt")
 
 
 @pytest.mark.requires(Capability.WEIGHTS_BUCKETS)

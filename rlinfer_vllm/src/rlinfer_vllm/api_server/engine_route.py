@@ -48,13 +48,16 @@ def active() -> bool:
 def features(app: Any) -> dict[str, Any]:
     """What the server's vLLM offers, looked up in the server process: whether the batch items go
     through the engine client (and tokens are labelled through :data:`VERSION_PATH` instead of
-    ``/update_weight_version``), whether vLLM's token endpoint reports weight-version spans (0.32),
-    and whether ``/release_kv_cache_memory`` exists (vLLM 0.32)."""
+    ``/update_weight_version``), whether its requests take a ``cache_salt`` (0.26 and 0.32 do),
+    whether vLLM's token endpoint reports weight-version spans (0.32), and whether
+    ``/release_kv_cache_memory`` exists (vLLM 0.32)."""
     import vllm.outputs
+    from vllm.entrypoints.scale_out.token_in_token_out.protocol import GenerateRequest
 
     engine = app.state.engine_client
     return {
         "batch_via_engine": active(),
+        "cache_salt": "cache_salt" in GenerateRequest.model_fields,
         "token_version_spans": hasattr(vllm.outputs, "WeightVersionSpan"),
         "release_kv_cache_memory": callable(getattr(engine, "release_kv_cache_memory", None)),
     }
@@ -192,7 +195,9 @@ async def generate(app: Any, request: Any) -> dict[str, Any]:
     final = None
     versions.watched.add(engine_id)
     try:
-        async for out in engine.generate(tokens_input(list(request.token_ids)), params, engine_id):
+        async for out in engine.generate(
+            tokens_input(list(request.token_ids), cache_salt=request.cache_salt), params, engine_id
+        ):
             final = out
         return answer(request.request_id, engine_id, final, versions, with_top=bool(params.logprobs))
     finally:

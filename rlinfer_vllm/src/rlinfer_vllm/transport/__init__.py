@@ -75,6 +75,16 @@ class Transport(Protocol):
         """Whether the engine can release the KV cache alone (vLLM >= 0.32); else it goes with sleep."""
 
     @property
+    def salted(self) -> bool:
+        """Whether every request reaches vLLM with the ``cache_salt`` of the weight version that
+        serves it (:mod:`rlinfer_vllm.versions`), so that an update needs no prefix-cache reset;
+        False (a server whose token endpoint lacks the field): every update resets the cache."""
+
+    def prefill_pending(self) -> bool:
+        """During a load: whether a request of this backend may be in the engine without its
+        prompt prefilled (admitted under the old salt, it would prefill with the new weights)."""
+
+    @property
     def multimodal(self) -> bool:
         """Whether the served model takes images (its encoder cache is reset with the prefix cache)."""
 

@@ -49,6 +49,7 @@ from rlinfer_vllm.transport.in_process import process_roles
 from rlinfer_vllm.transport.server_capabilities import server_capabilities
 from rlinfer_vllm.transport.server_command import server_argv, server_process, with_port
 from rlinfer_vllm.transport.stream_versions import StreamVersions
+from rlinfer_vllm.versions import cache_salt, salt_nonce
 
 if TYPE_CHECKING:
     from rlinfer_vllm.backend import InFlight
@@ -87,12 +88,28 @@ class HttpTransport:
         #: (see :mod:`rlinfer_vllm.transport.stream_versions`)
         self.serving_version = 0
         self.switches = 0
+        self._salt_nonce = salt_nonce()
         self._dead_processes = ProcessWatch(lambda: [] if self._server is None else self._server.dead())
 
     @property
     def kv_cache_release(self) -> bool:
         """Whether the server has ``/release_kv_cache_memory`` (vLLM 0.26 lacks it)."""
         return bool(self._features.get("release_kv_cache_memory", True))
+
+    @property
+    def salted(self) -> bool:
+        """Whether the server's token endpoint takes ``cache_salt`` (rlinfer's middleware says so;
+        an attached server without it: not known, so not relied on)."""
+        return bool(self._features.get("cache_salt", False))
+
+    def prefill_pending(self) -> bool:
+        """Whether a request of this backend is in flight: the server does not say whether it
+        prefilled (each request's salt is read in the same step as it is counted in flight)."""
+        return bool(self._inflight.ids)
+
+    def _salt(self) -> str | None:
+        """The salt of the version now labelled (:mod:`rlinfer_vllm.versions`), where the server salts."""
+        return cache_salt(self._salt_nonce, self.version) if self.salted else None
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -247,7 +264,8 @@ class HttpTransport:
         prompts = await asyncio.gather(*(self._prompt_ids(http, r) for r in requests))
         max_len = self._max_len()
         payloads = [
-            token_endpoint.body(r, ids, max_len, stream=False) for r, ids in zip(requests, prompts, strict=True)
+            token_endpoint.body(r, ids, max_len, stream=False, salt=self._salt())
+            for r, ids in zip(requests, prompts, strict=True)
         ]
         results: list[list[Completion] | None] = [None] * len(requests)
         started = time.perf_counter()
@@ -279,7 +297,7 @@ class HttpTransport:
     async def _complete(self, request: GenerateRequest) -> list[Completion]:
         http = self._alive()
         ids = await self._prompt_ids(http, request)
-        payload = token_endpoint.body(request, ids, self._max_len(), stream=False)
+        payload = token_endpoint.body(request, ids, self._max_len(), stream=False, salt=self._salt())
         started = time.perf_counter()
         self._inflight.add(request.request_id)
         try:
@@ -302,7 +320,7 @@ class HttpTransport:
         that computed them (exact: :mod:`rlinfer_vllm.transport.stream_versions`)."""
         http = self._alive()
         ids = await self._prompt_ids(http, request)
-        payload = token_endpoint.body(request, ids, self._max_len(), stream=True)
+        payload = token_endpoint.body(request, ids, self._max_len(), stream=True, salt=self._salt())
         k = request.sampling.logprobs
         stamps = StreamVersions(self.switches, self.serving_version)
         self._inflight.add(request.request_id)

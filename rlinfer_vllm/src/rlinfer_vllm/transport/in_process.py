@@ -85,6 +85,14 @@ class InProcessTransport(LoraAdapters, RawBaseline, Generation):
         """Whether this vLLM releases the KV cache alone (0.32)."""
         return getattr(self._llm, "release_kv_cache_memory", None) is not None
 
+    #: requests carry the salt of the version live when the load gate admits them
+    salted = True
+
+    def prefill_pending(self) -> bool:
+        """Whether a sample admitted into the engine has no token yet (the token counts are
+        complete once the scheduler is paused, :mod:`rlinfer_vllm.versions`)."""
+        return self._versions is not None and self._versions.unstarted and not self._gate.idle
+
     @property
     def multimodal(self) -> bool:
         """Whether the served model takes images."""
