@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 if TYPE_CHECKING:
     import torch
@@ -137,6 +137,40 @@ def _fingerprint(model: Any) -> tuple[Any, ...]:
     return (id(model), *((id(p), p.data_ptr()) for p in model.parameters()))
 
 
+T = TypeVar("T")
+
+
+class PerModel(Generic[T]):
+    """What ``build`` makes of the model ``get_model`` returns, kept until the model or any of its
+    parameters' memory is replaced (:func:`_fingerprint`, e.g. a full reload) or :meth:`invalidate`.
+    ``plan_s``: seconds the last :meth:`get` spent building (0.0 when the value was kept)."""
+
+    def __init__(self, get_model: Callable[[], Any], build: Callable[[Any], T]) -> None:
+        self._get_model = get_model
+        self._build = build
+        self._value: tuple[T] | None = None
+        self._key: tuple[Any, ...] | None = None
+        self.plan_s = 0.0
+
+    def invalidate(self) -> None:
+        """Forget the value (and the references it may hold on the parameters' memory)."""
+        self._value, self._key = None, None
+
+    def get(self) -> T:
+        """The value for the model as it is now."""
+        import time
+
+        model = self._get_model()
+        key = _fingerprint(model)
+        self.plan_s = 0.0
+        if self._value is None or key != self._key:
+            started = time.perf_counter()
+            self.invalidate()
+            self._value, self._key = (self._build(model),), key
+            self.plan_s = time.perf_counter() - started
+        return self._value[0]
+
+
 class FastLoader:
     """The cached :func:`parameter_views` of one engine's model, and the batched load with it.
 
@@ -146,39 +180,29 @@ class FastLoader:
     """
 
     def __init__(self, get_model: Callable[[], Any], specs: Specs, served_dtype: torch.dtype) -> None:
-        self._get_model = get_model
         self._specs = specs
         self._dtype = served_dtype
-        self._views: dict[str, torch.Tensor] = {}
-        self._skipped: frozenset[str] = frozenset()
-        self._key: tuple[Any, ...] | None = None
-        #: seconds spent building the views at the last :meth:`views` call (0.0 when cached)
-        self.plan_s = 0.0
+        self._plan = PerModel(get_model, self._build)
+
+    def _build(self, model: Any) -> tuple[dict[str, torch.Tensor], frozenset[str]]:
+        try:
+            return parameter_views(model, self._specs, self._dtype), skipped_names(model, self._specs)
+        except Exception:  # a layout this module does not know: every update takes load_weights
+            logging.getLogger("rlinfer_vllm.worker").warning("fast load: no plan", exc_info=True)
+            return {}, frozenset()
+
+    @property
+    def plan_s(self) -> float:
+        """Seconds spent building the views at the last :meth:`views` call (0.0 when cached)."""
+        return self._plan.plan_s
 
     def invalidate(self) -> None:
         """Forget the views (and the references they hold on the parameters' memory)."""
-        self._views = {}
-        self._key = None
+        self._plan.invalidate()
 
     def views(self) -> dict[str, torch.Tensor]:
         """The current views, rebuilt if the model's parameters changed."""
-        import time
-
-        model = self._get_model()
-        key = _fingerprint(model)
-        self.plan_s = 0.0
-        if key != self._key:
-            started = time.perf_counter()
-            self.invalidate()
-            try:
-                self._views = parameter_views(model, self._specs, self._dtype)
-                self._skipped = skipped_names(model, self._specs)
-            except Exception:  # a layout this module does not know: every update takes load_weights
-                logging.getLogger("rlinfer_vllm.worker").warning("fast load: no plan", exc_info=True)
-                self._views, self._skipped = {}, frozenset()
-            self._key = key
-            self.plan_s = time.perf_counter() - started
-        return self._views
+        return self._plan.get()[0]
 
     def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> bool:
         """Copy every tensor into its slice with one ``torch._foreach_copy_`` and return True, or
@@ -187,10 +211,10 @@ class FastLoader:
         the caller synchronizes the stream."""
         import torch
 
-        views = self.views()
+        views, skipped = self._plan.get()
         dests, srcs = [], []
         for name, tensor in tensors:
-            if name in self._skipped:
+            if name in skipped:
                 continue
             dest = views.get(name)
             if dest is None or dest.device != tensor.device or dest.dtype != tensor.dtype:

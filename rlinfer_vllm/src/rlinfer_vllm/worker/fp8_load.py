@@ -294,17 +294,15 @@ class Fp8FastLoader:
         quantize: Callable[[Fp8Layer, Any], None] = quantize_into,
         build: Callable[[Any, Specs, Any], Fp8Plan] = build_plan,
     ) -> None:
-        self._get_model = get_model
+        from rlinfer_vllm.worker.fast_load import PerModel
+
         self._quantize = quantize
         self._build = build
         self._specs = specs
         self._dtype = served_dtype
-        self._plan: Fp8Plan | None = None
-        self._key: tuple[Any, ...] | None = None
+        self._plan = PerModel(get_model, self._plan_or_none)
         self._scratch: torch.Tensor | None = None
         self._logged: set[str] = set()
-        #: seconds spent building the plan at the last :meth:`load` (0.0 when cached)
-        self.plan_s = 0.0
         #: names loaded here since the shadow last held them
         self.stale: set[str] = set()
         #: name -> its first :data:`RECORD_ROWS` rows as last loaded here (for ``quantized_check``)
@@ -315,29 +313,27 @@ class Fp8FastLoader:
             self._logged.add(reason)
             log.info("fast FP8 load not used: %s (vLLM's reload instead)", reason)
 
+    @property
+    def plan_s(self) -> float:
+        """Seconds spent building the plan at the last :meth:`load` (0.0 when cached)."""
+        return self._plan.plan_s
+
     def invalidate(self) -> None:
         """Forget the plan (and the references it holds on the parameters)."""
-        self._plan, self._key, self._scratch = None, None, None
+        self._plan.invalidate()
+        self._scratch = None
+
+    def _plan_or_none(self, model: Any) -> Fp8Plan | None:
+        self._scratch = None  # sized for the plan it was made for
+        try:
+            return self._build(model, self._specs, self._dtype)
+        except ValueError as exc:
+            self._note(f"no plan: {exc}")
+            return None
 
     def plan(self) -> Fp8Plan | None:
         """The current plan, rebuilt if the model's parameters changed; None where none can be made."""
-        import time
-
-        from rlinfer_vllm.worker.fast_load import _fingerprint
-
-        model = self._get_model()
-        key = _fingerprint(model)
-        self.plan_s = 0.0
-        if key != self._key:
-            started = time.perf_counter()
-            self.invalidate()
-            try:
-                self._plan = self._build(model, self._specs, self._dtype)
-            except ValueError as exc:
-                self._note(f"no plan: {exc}")
-            self._key = key
-            self.plan_s = time.perf_counter() - started
-        return self._plan
+        return self._plan.get()
 
     def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> bool:
         """Load ``tensors`` (names, shapes and dtypes already checked) and return True, or write
