@@ -348,6 +348,8 @@ class Fp8FastLoader:
             self._note(routed)
             return False
         copies, layers = routed
+        # stale from here on: after a fault mid-way the shadow must not stand in for these names
+        self.stale.update(name for name, _ in tensors)
         try:
             with torch.no_grad():
                 self._record(tensors)
@@ -362,7 +364,6 @@ class Fp8FastLoader:
                 "vLLM failed during a fast FP8 load; the engine may hold a partial update: send a full one",
                 (f"{type(exc).__name__}: {exc}",),
             ) from exc
-        self.stale.update(name for name, _ in tensors)
         return True
 
     def _scratch_for(self, plan: Fp8Plan | None) -> torch.Tensor:
