@@ -113,6 +113,10 @@ def test_close_asks_the_receiver_to_let_go_only_after_a_pack() -> None:
     arena.pack(weights(0, [("float32", (8,))]))
     asyncio.run(arena.close(dead_engine))  # best effort: shutdown goes on
     assert arena.nbytes == 0
+    off = PackArena(keep=False)  # the opt-out: the engine was told to keep nothing
+    off.pack(weights(0, [("float32", (8,))]))
+    asyncio.run(off.close(lets_go))
+    assert calls == ["let go"]
 
 
 def test_the_environment_turns_reuse_off(monkeypatch: pytest.MonkeyPatch) -> None:

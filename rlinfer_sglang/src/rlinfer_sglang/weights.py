@@ -220,7 +220,7 @@ class Weights(BackendBase):
             case NamedTensors() if cuda_buckets is not None:
                 pack_s = time.perf_counter() - started
                 with arena.sending():
-                    outcome = await self._send_buckets(cuda_buckets, snapshot)
+                    outcome = await self._send_buckets(cuda_buckets, snapshot, keep_mapped=arena.keep)
                 # as the vLLM backend's line (the GPU bench reads the dict): *_s figures in ms
                 timings = {"pack_s": pack_s, "buckets": len(cuda_buckets), **outcome}
                 logger.debug(
@@ -245,10 +245,14 @@ class Weights(BackendBase):
             case _:
                 assert_never(source)
 
-    async def _send_buckets(self, buckets: Sequence[Bucket], before_send: Callable[[], None]) -> dict[str, Any]:
+    async def _send_buckets(
+        self, buckets: Sequence[Bucket], before_send: Callable[[], None], keep_mapped: bool = False
+    ) -> dict[str, Any]:
+        """``keep_mapped``: the scheduler keeps CUDA buckets mapped until the next update (the
+        arena reuses them, see scheduler.loader)."""
         manifests = [attrs.asdict(b.manifest) for b in buckets]
         pairs = [(str(i), b.data) for i, b in enumerate(buckets)]
-        control = {"op": "buckets", "manifests": manifests}
+        control = {"op": "buckets", "manifests": manifests, "keep": keep_mapped}
         return await self._scheduler_op(control, pairs, flush=True, before_send=before_send)
 
     @hookimpl

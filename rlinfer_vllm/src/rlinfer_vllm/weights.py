@@ -188,6 +188,8 @@ class Prepared:
     host tensors' shared-memory handles (none for the other sources)."""
 
     cuda_buckets: Sequence[Bucket] | None = None
+    #: the worker keeps ``cuda_buckets`` mapped until the next update (the arena reuses them)
+    keep_mapped: bool = False
     #: a Buckets source's buckets, moved onto a GPU the engine sees where needed
     buckets: Sequence[Bucket] | None = None
     payload: bytes | None = None
@@ -214,7 +216,7 @@ async def prepare_source(source: WeightSource, engine_gpus: int, arena: PackAren
     # return makes the arena forget them (PackArena.sending).
     cuda_buckets = ipc.pack_cuda(source.tensors, visible_gpus=engine_gpus, arena=arena)
     if cuda_buckets is not None:
-        return Prepared(cuda_buckets=cuda_buckets)
+        return Prepared(cuda_buckets=cuda_buckets, keep_mapped=arena.keep)
     payload = await asyncio.get_running_loop().run_in_executor(None, ipc.dumps, list(source.tensors))
     return Prepared(payload=payload)
 
@@ -224,7 +226,7 @@ async def send_source(source: WeightSource, prepared: Prepared, rpc: Rpc) -> Any
     # exhaustive: a new WeightSource type is a mypy error here until it is handled
     match source:
         case NamedTensors() if prepared.cuda_buckets is not None:
-            return await send_buckets(prepared.cuda_buckets, rpc)
+            return await send_buckets(prepared.cuda_buckets, rpc, prepared.keep_mapped)
         case NamedTensors():
             return await rpc("rlinfer_load_ipc", prepared.payload)
         case Buckets():
@@ -237,14 +239,15 @@ async def send_source(source: WeightSource, prepared: Prepared, rpc: Rpc) -> Any
             assert_never(source)
 
 
-async def send_buckets(buckets: Sequence[Bucket], rpc: Rpc) -> Any:
-    """Buckets as their manifests plus shared-memory / CUDA-IPC handles of their data."""
+async def send_buckets(buckets: Sequence[Bucket], rpc: Rpc, keep_mapped: bool = False) -> Any:
+    """Buckets as their manifests plus shared-memory / CUDA-IPC handles of their data;
+    ``keep_mapped``: the worker keeps CUDA ones mapped until the next update (see ipc.keep_mapped)."""
     from rlinfer_core.transfer import ipc
 
     manifests = pickle.dumps([b.manifest for b in buckets])
     pairs = [(str(i), b.data) for i, b in enumerate(buckets)]
     payload = await asyncio.get_running_loop().run_in_executor(None, ipc.dumps, pairs)
-    return await rpc("rlinfer_load_buckets", manifests, payload)
+    return await rpc("rlinfer_load_buckets", manifests, payload, keep_mapped)
 
 
 def checksums(rows: Sequence[Sequence[Any]]) -> dict[str, WeightChecksum]:

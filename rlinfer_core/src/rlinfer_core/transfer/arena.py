@@ -100,8 +100,9 @@ class PackArena:
         """At engine shutdown, while the engine still runs: have the receiver drop the buffers it
         keeps mapped (``receiver_lets_go``, best effort, only if anything was packed here), then
         clear. torch frees a shared buffer only once every receiver that mapped it let go: one
-        that is killed holding it would leave it allocated on the sender's GPU for good."""
-        if self.packed:
+        that is killed holding it would leave it allocated on the sender's GPU for good. (An
+        arena that keeps nothing asks the receiver to keep nothing either: no call.)"""
+        if self.packed and self.keep:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(receiver_lets_go(), timeout_s)
         self.clear()

@@ -6,7 +6,8 @@ the model and the deserialized ``(name, tensor)`` pairs. The first pair is a con
 (``CONTROL`` -> JSON bytes as a uint8 tensor) saying what to do:
 
 - ``tensors``: the other pairs are the weights (shared memory on CPU, CUDA IPC on GPU).
-- ``buckets``: the other pairs are the core's packed buckets; ``manifests`` describes them.
+- ``buckets``: the other pairs are the core's packed buckets; ``manifests`` describes them;
+  with ``keep``, CUDA ones stay mapped until the next update (the sender's arena reuses them).
 - ``disk``: read every tensor of the safetensors directory ``path``.
 - ``join``: join the trainer's torch.distributed group ``group`` (rlinfer_core's own group
   builder, so both ends build the same group) as rank 1 + tensor-parallel rank.
@@ -294,10 +295,11 @@ def load(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         else:
             started = time.perf_counter()
             tensors = _gather(model, control, list(named_tensors[1:]))
-            if control["op"] == "buckets":  # the sender's next update may reuse these buffers
+            if control["op"] == "buckets":
                 from rlinfer_core.transfer.ipc import keep_mapped
 
-                outcome["ipc_reused"] = keep_mapped([t for _, t in named_tensors[1:]])
+                kept = [t for _, t in named_tensors[1:]] if control.get("keep") else []
+                outcome["ipc_reused"] = keep_mapped(kept)
             outcome["map_s"] = time.perf_counter() - started
             outcome["loaded"] = True  # from here on a failure may leave a partial update
             from rlinfer_core.fault_plan import planted

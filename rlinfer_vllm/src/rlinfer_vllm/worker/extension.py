@@ -254,8 +254,8 @@ class RLInferWorkerExtension(StagedWeightsWorker):
         tensors = ipc.loads(payload)
         return self._rlinfer_apply(tensors, map_s=time.perf_counter() - started)
 
-    def rlinfer_load_buckets(self, manifests: bytes, payload: bytes) -> dict[str, float]:
-        """Load core buckets: pickled manifests plus their data shared through ipc."""
+    def rlinfer_load_buckets(self, manifests: bytes, payload: bytes, keep: bool = False) -> dict[str, float]:
+        """Load core buckets (pickled manifests, data shared through ipc); ``keep``: ipc.keep_mapped."""
         import pickle
 
         from rlinfer_core.transfer import ipc
@@ -265,7 +265,7 @@ class RLInferWorkerExtension(StagedWeightsWorker):
         started = time.perf_counter()
         metas = pickle.loads(manifests)
         datas = [t for _, t in ipc.loads(payload)]
-        reused = ipc.keep_mapped(datas)  # the sender's next update may reuse these buffers
+        reused = ipc.keep_mapped(datas if keep else ())
         buckets = [Bucket(m, d) for m, d in zip(metas, datas, strict=True)]
         # the facade verified the checksums on these very bytes (same shared memory)
         tensors = unpack_all(buckets, check=False)

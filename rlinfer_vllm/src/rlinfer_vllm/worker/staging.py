@@ -42,8 +42,11 @@ class StagedWeightsWorker:
 
         return self._rlinfer_stage(staging_id, ipc.loads(payload), copy=True)
 
-    def rlinfer_stage_buckets(self, staging_id: str, manifests: bytes, payload: bytes) -> dict[str, float]:
-        """Stage core buckets (pickled manifests plus their data shared through ipc)."""
+    def rlinfer_stage_buckets(
+        self, staging_id: str, manifests: bytes, payload: bytes, keep: bool = False
+    ) -> dict[str, float]:
+        """Stage core buckets (pickled manifests plus their data shared through ipc; ``keep``: as
+        in ``rlinfer_load_buckets``)."""
         import pickle
 
         from rlinfer_core.transfer import ipc
@@ -52,7 +55,7 @@ class StagedWeightsWorker:
 
         metas = pickle.loads(manifests)
         datas = [t for _, t in ipc.loads(payload)]
-        reused = ipc.keep_mapped(datas)  # the sender's next update may reuse these buffers
+        reused = ipc.keep_mapped(datas if keep else ())
         buckets = [Bucket(m, d) for m, d in zip(metas, datas, strict=True)]
         return {**self._rlinfer_stage(staging_id, unpack_all(buckets, check=False), copy=True), "ipc_reused": reused}
 
