@@ -37,7 +37,9 @@ class Generation(LoraHooks):
         return ids
 
     def _body(self, request: GenerateRequest, ids: list[int], rid: str, stream: bool) -> dict[str, Any]:
-        """The ``GenerateReqInput`` fields of one sample (:mod:`rlinfer_sglang.requests`)."""
+        """The ``GenerateReqInput`` fields of one sample (:mod:`rlinfer_sglang.requests`); built
+        right after ``flight.track(rid)`` with no await between, so its cache key names the version
+        its tokens start with (an update cannot land in between: see versions.py)."""
         params = bodies.sampling_params(request, len(ids), self._max_len(), self._model().vocab_size)
         lora = self._lora_of.get(request.request_id)
         body = bodies.sample_body(
@@ -49,8 +51,14 @@ class Generation(LoraHooks):
             stream,
             self._priority_sign,
             None if lora is None else lora.engine_name,
+            self._cache_key(self._flight.versions.started(rid)),
         )
         return {**body, **images.engine_input(self.config.model, request, ids)}  # input_ids (+ image_data)
+
+    def _cache_key(self, version: int) -> str | None:
+        """The ``extra_key`` of a request served by weight version ``version`` (None where the
+        transport does not salt: there updates flush the cache)."""
+        return bodies.cache_key(version) if self._transport.salts else None
 
     def _translate(self, exc: Exception) -> Exception:
         """An engine failure as rlinfer's error: EngineDead, EngineOutOfMemory where SGLang's
@@ -158,7 +166,8 @@ class Generation(LoraHooks):
         model's raw logits (computed by the weights serving now).
         """
         async with self._flight.scoring_prefill():
-            out = await self._transport.generate(bodies.score_body(prompt, tokens, start, top, uuid.uuid4().hex))
+            key = self._cache_key(self._flight.versions.current)  # updates wait for scoring to end
+            out = await self._transport.generate(bodies.score_body(prompt, tokens, start, top, uuid.uuid4().hex, key))
         meta = out.get("meta_info") or {}
         want = len(tokens) - start
         values = [float(e[0]) for e in list(meta.get("input_token_logprobs") or ())[-want:]]

@@ -43,11 +43,7 @@ class Pausing(Weights):
             if mode is PauseMode.WAIT:
                 await transport.guard(flight.idle.wait())
                 return
-            # raw-logprob scoring prefills already sent finish first (they are short); later ones
-            # wait at the gate, so SGLang's pause never aborts or retracts one
-            while flight.scoring:
-                transport.alive()
-                await transport.guard(asyncio.sleep(0.01))
+            await self._drain_scoring()
             if mode is PauseMode.ABORT:
                 rids = flight.all_rids()
                 if rids:

@@ -139,9 +139,11 @@ def sample_body(
     stream: bool,
     priority_sign: int | None = None,
     lora_path: str | None = None,
+    extra_key: str | None = None,
 ) -> dict[str, Any]:
     """The ``GenerateReqInput`` fields of one sample (``ids``: as :func:`rlinfer_sglang.images.engine_input`
-    collapses them is the caller's; optional fields only where set, so any SGLang version reads it)."""
+    collapses them is the caller's; optional fields only where set, so any SGLang version reads it).
+    ``extra_key``: the radix-cache namespace of the weights serving it (:func:`cache_key`)."""
     body: dict[str, Any] = {
         "input_ids": list(ids),
         "sampling_params": params,
@@ -155,6 +157,8 @@ def sample_body(
         body["return_routed_experts"] = True
     if lora_path is not None:
         body["lora_path"] = lora_path
+    if extra_key is not None:
+        body["extra_key"] = extra_key
     return body
 
 
@@ -180,10 +184,13 @@ def batch_body(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {**fields, **scalars, "stream": False}
 
 
-def score_body(prompt: Sequence[int], tokens: Sequence[int], start: int, top: int, rid: str) -> dict[str, Any]:
+def score_body(
+    prompt: Sequence[int], tokens: Sequence[int], start: int, top: int, rid: str, extra_key: str | None = None
+) -> dict[str, Any]:
     """A prefill that scores ``prompt + tokens``: its input-token logprobs are ``log_softmax`` of the
     raw logits for ``tokens[start:]`` (SGLang reports output logprobs after its processing)."""
     return {
+        **({} if extra_key is None else {"extra_key": extra_key}),
         "input_ids": [*prompt, *tokens],
         "sampling_params": {"max_new_tokens": 0, "temperature": 0.0},
         "rid": rid,
@@ -220,6 +227,25 @@ def bench_body(requests: Sequence[GenerateRequest]) -> dict[str, Any] | None:
     if not input_ids:
         return None
     return {"input_ids": input_ids, "sampling_params": params, "return_logprob": True, "top_logprobs_num": top}
+
+
+#: how every rlinfer cache key starts: SGLang appends a LoRA id (and other namespaces) after it
+CACHE_KEY_PREFIX = "rlinfer-v"
+
+
+def cache_key(version: int) -> str:
+    """SGLang's ``extra_key`` for requests served by weight version ``version``: SGLang keys its
+    radix cache by it, so a prefix that older weights computed never matches a newer request and an
+    update needs no cache flush. Ends with ";" so that a suffix SGLang appends stays apart from the
+    number (:func:`rekeyed`)."""
+    return f"{CACHE_KEY_PREFIX}{version};"
+
+
+def rekeyed(key: str | None, new: str) -> str | None:
+    """``key`` with its rlinfer part replaced by ``new`` (kept as it is when rlinfer did not set it)."""
+    if key is None or not key.startswith(CACHE_KEY_PREFIX) or ";" not in key:
+        return key
+    return new + key.split(";", 1)[1]
 
 
 def label(version: int) -> str:

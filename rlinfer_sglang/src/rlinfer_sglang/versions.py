@@ -12,6 +12,13 @@ load time the loader records ``len(req.output_ids)`` of every request the schedu
 
 (An update while requests run unpaused waits in SGLang until they finished: its write lock
 waits for every request in flight; requests that started later carry the new version.)
+
+Where requests carry a per-version cache key (``Transport.salts``), the key follows the same
+boundaries: a sample is admitted with the key of :meth:`TokenVersions.started`, the update waits
+until every admitted sample reached the scheduler, and the loader gives every request that has
+computed no KV yet (waiting, retracted: recorded with 0 or k tokens whose KV is dropped) the new
+version's key, so what the new weights compute never attends to a prefix cached by older ones
+unless it is the sample's own KV from before the switch (the "mixed" reading).
 """
 
 from __future__ import annotations
@@ -34,6 +41,10 @@ class TokenVersions:
         """A sample starts: its tokens carry the current version until an update lands."""
         self._start[rid] = self.current
         self._marks[rid] = []
+
+    def started(self, rid: str) -> int:
+        """The version sample ``rid`` was admitted under (its first tokens' version, its cache key's)."""
+        return self._start.get(rid, self.current)
 
     def loaded(self, version: int, in_flight: Iterable[str], dispatched: set[str], lengths: Mapping[str, int]) -> None:
         """An update to ``version`` was loaded.

@@ -6,7 +6,13 @@ through SGLang's ``update_weights_from_tensor`` (inside ``begin_weight_update`` 
 ``end_weight_update`` where SGLang has them); the loader reads and checks everything before
 loading and writes its outcome to a file per TP rank.
 
-Sequencing: new requests wait at the backend's gate, requests in flight are retracted (they keep
+Sequencing where the transport salts (in process): every request carries its weight version's
+radix-cache key (:func:`rlinfer_sglang.requests.cache_key`), so an update flushes nothing and
+waits for no request to finish. New requests wait at the backend's gate, those admitted before
+it closed reach the scheduler first, the scheduler pauses in place (requests keep their KV;
+"retract" where it overlaps steps) for the load, and the loader gives every request without KV
+the new key; then generation goes on. Elsewhere (over HTTP): new requests wait at the gate,
+requests in flight are retracted (they keep
 their tokens; unless the caller paused already) for the load and continue after it, so the update
 lands between engine steps, as on vLLM; the new version is labelled before anything runs again.
 An SGLang without begin/end (0.5.16; ``Transport.begin_end``) flushes its cache only when no
@@ -42,6 +48,7 @@ from rlinfer_core.weights import (
     TensorSpec,
     WeightUpdate,
 )
+from rlinfer_sglang import requests as bodies
 from rlinfer_sglang.base import BackendBase
 
 if TYPE_CHECKING:
@@ -54,6 +61,8 @@ logger = logging.getLogger(__name__)
 FLUSH_WAIT_S = 50.0
 #: how long the flush right after an idle update waits for the scheduler's last batch to clear
 IDLE_FLUSH_WAIT_S = 5.0
+#: how long a salted update waits for the requests admitted before it to reach the scheduler
+SEND_WAIT_S = 30.0
 
 
 class Weights(BackendBase):
@@ -63,6 +72,18 @@ class Weights(BackendBase):
     def rlinfer_weight_specs(self) -> Mapping[str, TensorSpec]:
         """The checkpoint's parameter names, in the engine's dtype, with their shapes."""
         return dict(self._specs)
+
+    #: the cache key of the version an update in progress loads (salting transports only)
+    _update_key: str | None = None
+    #: a salted update found requests that SGLang's pause keeps from its scheduler: it flushes
+    _late_requests: bool = False
+
+    @property
+    def update_invalidates_prefixes(self) -> bool:
+        """The facade's question: where requests carry a per-version cache key, an update leaves
+        no prefix of older weights reachable, so the facade does not reset the cache after it
+        (which would wait for, or retract, the requests in flight)."""
+        return self._transport.salts
 
     def _flush_needs_idle(self) -> bool:
         return self._transport.flush_needs_idle
@@ -83,12 +104,16 @@ class Weights(BackendBase):
         """Run rlinfer's scheduler-side loader once on every TP rank; raise on any failure.
 
         Returns TP rank 0's outcome. ``before_send`` runs right before the update message leaves.
+        ``flush``: the op loads weights, so what older weights cached must not be matched again:
+        flushed, or (salting) requests without KV take the new version's key.
         """
         from rlinfer_sglang.scheduler.loader import encode_control
 
         transport, flight = self._transport, self._flight
         transport.alive()
         result = self._result_dir / uuid.uuid4().hex
+        if flush and self._update_key is not None:  # salted: nothing older weights cached matches
+            control, flush = {**control, "rekey": self._update_key}, False
         payloads = await transport.serialize([encode_control({**control, "result": str(result)}), *tensors])
         flush = flush and self._cache_stale()  # else nothing the old weights cached
         deferred = flush and self._flush_needs_idle()
@@ -169,7 +194,46 @@ class Weights(BackendBase):
                 ) from exc
             yield
 
+    @contextlib.asynccontextmanager
+    async def _held_scheduler(self) -> AsyncIterator[None]:
+        """For a salting transport: new requests wait at the gate, the samples admitted before it
+        closed reach the scheduler (so the loader sees them), and SGLang pauses (``update_pause``)
+        for the block; no request in flight has to finish."""
+        flight, transport = self._flight, self._transport
+        async with flight.gate_closed():
+            await self._drain_scoring()
+            deadline = time.monotonic() + SEND_WAIT_S
+            paused = self._sglang_paused or self._memory_paused
+            self._late_requests = False
+            while unsent := transport.unsent(flight.all_rids()):
+                if paused:  # they reach the scheduler after the load, with the old key: flushed
+                    self._late_requests = True
+                    break
+                if time.monotonic() >= deadline:
+                    raise WeightUpdateError(
+                        f"{len(unsent)} requests did not reach SGLang's scheduler within {SEND_WAIT_S:.0f} s; "
+                        "nothing was loaded"
+                    )
+                await transport.guard(asyncio.sleep(0.002))
+            hold = flight.active > 0 and not self._sglang_paused and not self._memory_paused
+            if hold:
+                await transport.pause(transport.update_pause)
+            try:
+                yield
+            finally:
+                if hold:
+                    await asyncio.shield(transport.unpause())
+
+    async def _drain_scoring(self) -> None:
+        """Let the raw-logprob scoring prefills already sent finish (they are short; later ones wait
+        at the gate), so SGLang never aborts, retracts or reloads under one."""
+        while self._flight.scoring:
+            self._transport.alive()
+            await self._transport.guard(asyncio.sleep(0.01))
+
     def _quiet(self) -> contextlib.AbstractAsyncContextManager[None]:
+        if self._transport.salts:
+            return self._held_scheduler()
         running = self._flight.active > 0 and not self._sglang_paused and not self._memory_paused
         return self._idle_scheduler() if running and self._flush_needs_idle() else self._quiet_scheduler()
 
@@ -187,8 +251,14 @@ class Weights(BackendBase):
             in_flight.extend(flight.all_rids())
             dispatched.update(self._transport.dispatched(in_flight, flight.received))
 
+        salted = self._transport.salts
         async with self._pause_lock, self._quiet():
-            outcome = await self._load(update, snapshot)
+            salted = salted and not self._late_requests
+            self._update_key = bodies.cache_key(version) if salted else None
+            try:
+                outcome = await self._load(update, snapshot)
+            finally:
+                self._update_key = None
             ok, message = await self._transport.label(version)
             if not ok:
                 raise WeightUpdateError(f"SGLang loaded the update but refused its version label: {message}")
@@ -197,7 +267,7 @@ class Weights(BackendBase):
                 logger.warning("the scheduler did not report request lengths; in-flight tokens keep the old version")
                 lengths, dispatched = {}, set(in_flight)
             flight.versions.loaded(version, in_flight, dispatched, lengths)
-            if flight.cache_dirty and self._flush_needs_idle() and flight.active == 0:
+            if not salted and flight.cache_dirty and self._flush_needs_idle() and flight.active == 0:
                 # flushed while new requests still wait at the gate (the facade's reset, after it
                 # opens, could find requests pending, which this SGLang does not flush under)
                 await self._flush(IDLE_FLUSH_WAIT_S)

@@ -30,6 +30,7 @@ __all__ = [
     "test_logprobs_modes_match_oracle",
     "test_token_versions_across_pause_keep_update",
     "test_token_versions_across_unpaused_update",
+    "test_prefix_cache_after_unpaused_update",
 ]
 
 SEED = 1234
@@ -281,3 +282,30 @@ def test_token_versions_across_unpaused_update(rlinfer_base_weights: KitWorld) -
         return request, completion, old, new
 
     _check_switch(world, *_across_update(world, attempt))
+
+
+@pytest.mark.requires(Capability.STREAM, Capability.WEIGHTS_TENSORS)
+def test_prefix_cache_after_unpaused_update(rlinfer_base_weights: KitWorld) -> None:
+    """Prompts whose KV the old weights cached are computed by the new ones after an update that
+    lands while a request runs: an engine that drops its cache only once idle, or keys it by
+    weight version, passes; one that neither flushes nor keys serves the stale prefix and fails.
+    The premise (the long request spans the update, so an engine that flushes only when idle
+    could not have flushed before it) is tried again, then fails: never a skip."""
+    world = rlinfer_base_weights
+    engine = world.engine
+    for _ in range(VERSION_SWITCH_TRIES):
+        world.restore()
+        world.generate_and_check(None)  # the prompts' KV, cached by the base weights
+        request, first, future = stream_in_background(world, "cached")
+        assert first.wait(OP_TIMEOUT_S), "the request produced no token"
+        old = engine.weight_version
+        new = world.update(Capability.WEIGHTS_TENSORS, OTHER)
+        requests = world.greedy_requests(max_tokens=12)
+        completions = world.generate(requests)
+        if world.supports(Capability.ABORT):
+            engine.abort([request.request_id])
+        spanned = set(joined(request, future.result(timeout=OP_TIMEOUT_S)).token_versions or ())
+        if spanned == {old, new}:
+            world.check_parity("after_unpaused_update_cached_prompts", requests, completions)
+            return
+    pytest.fail(f"premise not reached in {VERSION_SWITCH_TRIES} tries: the long request never spanned the update")

@@ -17,7 +17,8 @@ the model and the deserialized ``(name, tensor)`` pairs. The first pair is a con
   shutdown, so that the sender can free them: ``rlinfer_core.transfer.arena.PackArena.close``).
 
 After loading, the outcome holds ``lengths``: rid -> ``len(output_ids)`` of every request the
-scheduler holds at that moment (the per-token weight versions, see :mod:`rlinfer_sglang.versions`).
+scheduler holds at that moment (the per-token weight versions, see :mod:`rlinfer_sglang.versions`);
+with ``rekey`` in the control record, every request without KV then gets that radix-cache key.
 
 Everything is read *before* any weight is loaded, and broadcast tensors (which the caller's
 facade cannot see) are checked for finite values first, so a rejected update leaves the old
@@ -146,12 +147,35 @@ def _scheduler() -> Any:
     return None
 
 
+def _without_kv(scheduler: Any) -> list[Any]:
+    """Requests the scheduler holds that have no KV of their own now (waiting for a prefill,
+    retracted by a pause, or waiting for their grammar): all of them compute it after a load."""
+    grammar = getattr(getattr(scheduler, "grammar_manager", None), "grammar_queue", None) or ()
+    chunked = getattr(scheduler, "chunked_req", None)
+    return [req for req in (*scheduler.waiting_queue, *grammar) if req is not chunked]
+
+
+def rekey(key: str) -> int:
+    """Give every request without KV the radix-cache key ``key`` in place of rlinfer's older one
+    (:func:`rlinfer_sglang.requests.rekeyed`); SGLang matches a request's prefix when it schedules
+    its prefill, so they match only what the new weights computed. Returns how many changed."""
+    from rlinfer_sglang.requests import rekeyed
+
+    scheduler = _scheduler()
+    changed = 0
+    for req in _without_kv(scheduler) if scheduler is not None else ():
+        new = rekeyed(req.extra_key, key)
+        if new != req.extra_key:
+            req.extra_key, changed = new, changed + 1
+    return changed
+
+
 def output_lengths() -> dict[str, int] | None:
     """rid -> tokens produced so far, for every request the scheduler holds (None: not found)."""
     scheduler = _scheduler()
     if scheduler is None:
         return None
-    reqs = list(scheduler.waiting_queue)
+    reqs = _without_kv(scheduler)
     for batch in (scheduler.running_batch, getattr(scheduler, "last_batch", None)):
         reqs.extend(getattr(batch, "reqs", None) or ())
     chunked = getattr(scheduler, "chunked_req", None)
@@ -315,6 +339,8 @@ def load(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
                 torch.cuda.current_stream().synchronize()
             outcome["load_s"] = time.perf_counter() - started - outcome["map_s"]
             outcome["lengths"] = output_lengths()
+            if control.get("rekey"):  # the new version's requests never match what older weights cached
+                outcome["rekeyed"] = rekey(control["rekey"])
         outcome.update(ok=True, error=None)
     except Exception as exc:  # reported to the caller through the result file
         outcome["error"] = f"{type(exc).__name__}: {exc}"

@@ -10,7 +10,7 @@ transports):
 - :class:`~rlinfer_sglang.transport.http.HttpTransport`: SGLang's own HTTP server, launched as a
   child (``mode="server"``) or attached to (``server_url``).
 
-What a flavour cannot do is data it reports (``begin_end``, ``abort_settle_s``, the capabilities
+What a flavour cannot do is data it reports (``begin_end``, ``salts``, ``abort_settle_s``, the capabilities
 it refines at start), never a mode test in the backend.
 """
 
@@ -62,6 +62,14 @@ class Transport(Protocol):
     #: scheduler dies when the flush inside a weight update fails (SGLang without begin/end,
     #: 0.5.16): updates wait for running requests, flushes happen outside the update
     flush_needs_idle: bool
+    #: requests carry a per-weight-version ``extra_key`` (rlinfer_sglang.requests.cache_key), so a
+    #: weight update needs no cache flush and no idle scheduler; False where the transport cannot
+    #: tell when a request reached the scheduler (``unsent``), which the key's exactness needs
+    salts: bool
+    #: SGLang's pause mode that holds requests in flight during a salted update: "in_place" keeps
+    #: their KV; "retract" where the scheduler overlaps steps (an in-place pause leaves a step's
+    #: results unprocessed, so the loader would miss its tokens)
+    update_pause: str
     #: what this flavour never does, known before the engine starts (capability -> why)
     off_before_start: Mapping[Capability, str]
     #: how long abort keeps re-aborting requests that had not reached SGLang yet (0: they all had)
@@ -145,6 +153,10 @@ class Transport(Protocol):
 
     def dispatched(self, rids: Sequence[str], received: Mapping[str, int]) -> set[str]:
         """Those of ``rids`` that SGLang's scheduler had been sent before now."""
+        ...
+
+    def unsent(self, rids: Sequence[str]) -> list[str]:
+        """Those of ``rids`` known not to have reached SGLang's scheduler yet (where ``salts``)."""
         ...
 
     async def update_from_disk(self, path: str) -> tuple[bool, str]:

@@ -72,6 +72,11 @@ class HttpTransport(Transport):
         self.tp_size = config.world_size
         self.begin_end = True
         self.flush_needs_idle = False
+        # not over HTTP: a request posted before an update may reach the server's scheduler after
+        # the load (nothing tells this client when it did), and would match what older weights
+        # cached under its older key; updates flush the cache as before
+        self.salts = False
+        self.update_pause = "retract"
         self._server: ChildServer | None = None
         self._http: ServerClient | None = None
         self._closed = False
@@ -354,6 +359,10 @@ class HttpTransport(Transport):
     @override
     def dispatched(self, rids: Sequence[str], received: Mapping[str, int]) -> set[str]:
         return {r for r in rids if received.get(r, 0) > 0}
+
+    @override
+    def unsent(self, rids: Sequence[str]) -> list[str]:
+        raise NotImplementedError("the HTTP transport does not salt (salts is False)")
 
     @override
     async def update_from_disk(self, path: str) -> tuple[bool, str]:

@@ -52,6 +52,8 @@ class InProcessTransport(Supervision, Transport):
         self.tp_size = config.world_size
         self.begin_end = True
         self.flush_needs_idle = False
+        self.salts = True
+        self.update_pause = "in_place"
 
     @override
     async def start(self, capabilities: Capabilities) -> Served:
@@ -60,6 +62,9 @@ class InProcessTransport(Supervision, Transport):
         args = getattr(tm, "server_args", None)
         self.begin_end = hasattr(_io(), "BeginWeightUpdateReqInput")
         self.flush_needs_idle = not self.begin_end
+        # both SGLang 0.5.16 and 0.5.2x key their radix cache by GenerateReqInput.extra_key
+        self.salts = "extra_key" in getattr(_io().GenerateReqInput, "__dataclass_fields__", {})
+        self.update_pause = "in_place" if getattr(args, "disable_overlap_schedule", False) else "retract"
         mc = tm.model_config
         tokenizer = getattr(tm, "tokenizer", None)
         eos = {int(t) for t in (getattr(mc, "hf_eos_token_id", None) or ())}
@@ -215,7 +220,14 @@ class InProcessTransport(Supervision, Transport):
     @override
     def dispatched(self, rids: Sequence[str], received: Mapping[str, int]) -> set[str]:
         states = getattr(self._tm, "rid_to_state", {})
-        return {r for r in rids if getattr(states.get(r), "dispatched", True)}
+        return {r for r in rids if r not in states or _sent(states[r])}
+
+    @override
+    def unsent(self, rids: Sequence[str]) -> list[str]:
+        # a rid without a state: its call has not reached the tokenizer manager yet, or it ended
+        # there (the caller's call returns soon); with a state: until it is sent to the scheduler
+        states = getattr(self._tm, "rid_to_state", {})
+        return [r for r in rids if r not in states or not _sent(states[r])]
 
     @override
     async def update_from_disk(self, path: str) -> tuple[bool, str]:
@@ -250,3 +262,12 @@ class InProcessTransport(Supervision, Transport):
     def lora_names(self) -> set[str]:
         self.alive()
         return set(self._tm.lora_registry.get_all_adapters())
+
+
+def _sent(state: Any) -> bool:
+    """Whether the tokenizer manager sent this request state's request to the scheduler: SGLang
+    0.5.2x marks ``dispatched``; 0.5.16 stamps ``time_stats.api_server_dispatch_finish_time``."""
+    dispatched = getattr(state, "dispatched", None)
+    if dispatched is not None:
+        return bool(dispatched)
+    return bool(getattr(getattr(state, "time_stats", None), "api_server_dispatch_finish_time", 1.0))
