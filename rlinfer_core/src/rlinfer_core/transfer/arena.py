@@ -1,14 +1,15 @@
 """Pack buffers reused from one weight update to the next (the sender's half of a CUDA-IPC
 transfer that maps nothing new after the first update).
 
-A receiver opens one CUDA-IPC handle per buffer it is sent, and opening one costs far more than
-the copy it saves (4.5 ms for the two buckets of a 1.26 GB update on an H100). torch's receiving
-side already skips the open when it still holds a live storage for the same ``(handle, offset)``
+A receiver opens one CUDA-IPC handle per buffer it is sent (issue 29 suspected that of a 4.5 ms
+"mapping" step; on the H100 it was not: bench/results/gpu-h100-2026-11-26-ipc-reuse). torch's
+receiving side already skips the open when it still holds a live storage for the same ``(handle, offset)``
 (``torch.multiprocessing.reductions.rebuild_cuda_tensor`` and its ``shared_cache``). So when the
 sender shares the *same* allocation every update (:class:`PackArena`) and the receiver keeps what
 it mapped alive between updates (:func:`rlinfer_core.transfer.ipc.keep_mapped`), the second and
 later updates of a layout map nothing; packing becomes one ``torch._foreach_copy_`` into
-buffers that already exist.
+buffers that already exist (H100, 1.26 GB: 2.4 ms instead of 2.8-3.9 ms; the receiver's map step
+stayed ~2 ms, which is not the handles).
 
 The cost: the buffers of the last update stay allocated (one packed copy of it on the sender's
 device) until the layout changes or :meth:`PackArena.clear`. ``RLINFER_REUSE_IPC_BUFFERS=0`` in
