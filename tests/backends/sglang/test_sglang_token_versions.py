@@ -44,3 +44,14 @@ def test_an_update_mid_sample_splits_its_tokens() -> None:
     assert versions.of("a", 5) == (0, 0, 0, 1, 1)
     assert versions.of("b", 2) == (1, 1)  # not dispatched before the update: all new weights
     assert versions.of("a", 5, start=4) == (1,)
+
+
+def test_cache_keys_name_the_version_and_keep_what_sglang_appends() -> None:
+    from rlinfer_sglang.requests import cache_key, rekeyed
+
+    assert cache_key(3) == "rlinfer-v3;"
+    lora_id = "0abc"  # SGLang's Req appends a LoRA id to the key
+    assert rekeyed(cache_key(1) + lora_id, cache_key(10)) == "rlinfer-v10;0abc"
+    assert rekeyed(cache_key(1), cache_key(2)) == cache_key(2)
+    assert rekeyed(None, cache_key(2)) is None  # not rlinfer's (a raw baseline): left alone
+    assert rekeyed("caller-key", cache_key(2)) == "caller-key"
