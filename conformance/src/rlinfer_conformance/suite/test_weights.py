@@ -70,7 +70,7 @@ def test_update_never_serves_a_prefix_of_the_old_weights(rlinfer_base_weights: K
     old weights computed was reused (the engine resets its prefix cache, or keys it by version)."""
     world = rlinfer_base_weights
     transport = world.local_transports()[0]
-    params = SamplingParams(temperature=0.0, max_tokens=6, logprobs=1)
+    params = SamplingParams(temperature=0.0, max_tokens=6)
 
     def check(checkpoint: str | None) -> None:
         requests = [GenerateRequest(prompt_token_ids=LONG_PROMPT, sampling=params, request_id=world.request_id())]
