@@ -101,6 +101,7 @@ def test_the_server_reports_which_path_it_runs(engine: Any, request: pytest.Fixt
     via_engine = request.node.callspec.params["engine"] == "engine_client"
     assert features["batch_via_engine"] is via_engine
     assert features["token_version_spans"] is True and features["release_kv_cache_memory"] is True  # vLLM 0.32
+    assert features["cache_salt"] is True
     version = httpx.post(_launched_url(engine) + VERSION_PATH, json={"new_version": "0"}, timeout=30.0)
     assert version.status_code == (200 if via_engine else 404)
 
@@ -118,6 +119,29 @@ def test_logprobs_and_versions_come_back_in_one_shape(engine: Any) -> None:
     assert done.prompt_logprobs is not None and done.prompt_logprobs[0] is None
     assert len(done.prompt_logprobs) == len(PROMPTS[0])
     assert done.token_versions == (0,) * MAX_TOKENS
+
+
+def test_an_update_leaves_no_stale_prefix_on_either_path(engine: Any, model: Path, tmp_path: Path) -> None:
+    """Requests carry their version's cache_salt on both paths (the engine client's passes it
+    on), and the update resets nothing: a long prompt cached before it is answered by the new
+    weights after it."""
+    from rlinfer_core.weights import NamedTensors
+
+    long_prompt = [1, *(3 + (7 * i) % 97 for i in range(299))]  # several KV blocks
+    other = make_tiny_model(tmp_path / "seed1", seed=1)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+    def tokens() -> list[int]:
+        (done,) = engine.generate([GenerateRequest(prompt_token_ids=long_prompt, sampling=greedy)])
+        return list(done.token_ids)
+
+    assert engine.async_engine._backend.transport.salted
+    assert tokens() == hf_greedy(model, state_dict(model), [long_prompt], MAX_TOKENS)[0]  # now cached
+    engine.update_weights(NamedTensors.of(state_dict(other)))
+    try:
+        assert tokens() == hf_greedy(other, state_dict(other), [long_prompt], MAX_TOKENS)[0]
+    finally:
+        engine.update_weights(NamedTensors.of(state_dict(model)))
 
 
 def test_engine_client_answers_read_back_exactly() -> None:

@@ -67,7 +67,8 @@ class Transport(Protocol):
 
     #: True: the transport's requests pass the backend's LoadGate, which then knows when none is
     #: in the engine (a weight load holds new ones back instead of pausing the scheduler) and
-    #: whether the prefix cache can hold anything to reset; False: always pause, always reset
+    #: whether the prefix cache can hold anything to reset; False: always pause, and an explicit
+    #: reset always resets
     gated: bool
 
     @property
