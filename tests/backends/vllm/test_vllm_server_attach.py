@@ -106,6 +106,8 @@ def test_attach_serves_reports_no_processes_and_leaves_the_server_running(
     engine = _attach(models, server.url)
     try:
         assert engine.engine_processes() == {}, "an attached server is not this engine's to kill"
+        # no middleware to say that its token endpoint takes cache_salt: updates reset the prefix cache
+        assert not engine.async_engine._backend.transport.salted
         assert _greedy(engine) == hf_greedy(models[0], state_dict(models[0]), PROMPTS, MAX_TOKENS)
         with pytest.raises(InvalidRequest) as bad:  # a 4xx from the server names vLLM's field
             engine.generate([GenerateRequest(prompt_token_ids=[1], sampling=SamplingParams(max_tokens=2, n=64))])
