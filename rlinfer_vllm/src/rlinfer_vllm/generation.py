@@ -29,10 +29,12 @@ from rlinfer_vllm.lora import lora_request
 from rlinfer_vllm.raw import RawLogprobs, delta_tokens
 
 if TYPE_CHECKING:
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from rlinfer_core.lora_shelf import ServedAdapter
     from rlinfer_vllm.backend import InFlight
+    from rlinfer_vllm.versions import TokenVersions
 
 
 class Generation(RawLogprobs):
@@ -81,15 +83,22 @@ class Generation(RawLogprobs):
         self._alive()
         return await complete_all(requests, self._complete)
 
-    async def _complete(self, request: GenerateRequest) -> list[Completion]:
-        from vllm.sampling_params import RequestOutputKind
-
+    def _engine_request(
+        self, request: GenerateRequest, kind: RequestOutputKind
+    ) -> tuple[AsyncLLM, list[int], Any, SamplingParams, TokenVersions]:
+        """The engine, the prompt ids, vLLM's prompt (salted only at admission:
+        :mod:`rlinfer_vllm.versions`) and sampling parameters, and the token versions."""
         llm = self._alive()
         ids = self._prompt_ids(llm, request)
         prompt, prompt_len = self._engine_prompt(request, ids)
-        params = engine_io.sampling_params(request, prompt_len, self._max_len(), RequestOutputKind.FINAL_ONLY)
-        versions = self._versions
-        assert versions is not None
+        params = engine_io.sampling_params(request, prompt_len, self._max_len(), kind)
+        assert self._versions is not None
+        return llm, ids, prompt, params, self._versions
+
+    async def _complete(self, request: GenerateRequest) -> list[Completion]:
+        from vllm.sampling_params import RequestOutputKind
+
+        llm, ids, prompt, params, versions = self._engine_request(request, RequestOutputKind.FINAL_ONLY)
         started = time.perf_counter()
         last = None
         served = self._lora_acquire(request)
@@ -127,12 +136,7 @@ class Generation(RawLogprobs):
         """Stream deltas (vLLM's DELTA output kind); the last one of each sample has its finish reason."""
         from vllm.sampling_params import RequestOutputKind
 
-        llm = self._alive()
-        ids = self._prompt_ids(llm, request)
-        prompt, prompt_len = self._engine_prompt(request, ids)
-        params = engine_io.sampling_params(request, prompt_len, self._max_len(), RequestOutputKind.DELTA)
-        versions = self._versions
-        assert versions is not None
+        llm, ids, prompt, params, versions = self._engine_request(request, RequestOutputKind.DELTA)
         served = self._lora_acquire(request)
         lora = lora_request(served)
         raw = request.sampling.logprobs_mode is LogprobsMode.RAW
