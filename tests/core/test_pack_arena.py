@@ -119,17 +119,18 @@ def test_close_asks_the_receiver_to_let_go_only_after_a_pack() -> None:
     assert calls == ["let go"]
 
 
-def test_the_environment_turns_reuse_off(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_reuse_is_off_unless_the_environment_turns_it_on(monkeypatch: pytest.MonkeyPatch) -> None:
     tensors = weights(0, [("float32", (8,))])
-    monkeypatch.setenv(REUSE_ENV, "0")
-    off = engine_arena()
-    first = off.pack(tensors)
-    assert off.nbytes == 0
-    assert not set(ptrs(off.pack(tensors))) & set(ptrs(first))
-    assert off.reuses == 0
+    monkeypatch.delenv(REUSE_ENV, raising=False)
+    for setting in (None, "0"):
+        if setting is not None:
+            monkeypatch.setenv(REUSE_ENV, setting)
+        off = engine_arena()
+        first = off.pack(tensors)
+        assert off.nbytes == 0
+        assert not set(ptrs(off.pack(tensors))) & set(ptrs(first))
+        assert off.reuses == 0
     monkeypatch.setenv(REUSE_ENV, "1")
-    assert engine_arena().keep
-    monkeypatch.delenv(REUSE_ENV)
     on = engine_arena()
     assert ptrs(on.pack(tensors)) == ptrs(on.pack(tensors))
 

@@ -23,11 +23,16 @@ def reused_per_update(caplog: pytest.LogCaptureFixture) -> list[Any]:
     return [row["ipc_reused"] for row in rows if "ipc_reused" in row]
 
 
-def test_later_cuda_updates_map_no_new_buffer(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_later_cuda_updates_map_no_new_buffer(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from rlinfer_core.engine import Engine
     from rlinfer_core.tiny_model import make_tiny_model
+    from rlinfer_core.transfer.arena import REUSE_ENV
     from rlinfer_core.transfer.disk import read_tensors
     from rlinfer_core.weights import NamedTensors
+
+    monkeypatch.setenv(REUSE_ENV, "1")  # reuse is opt-in
 
     model = make_tiny_model(tmp_path / "model", seed=0)
     base = [(name, t.to("cuda")) for name, t in read_tensors(model)]
