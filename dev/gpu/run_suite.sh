@@ -15,7 +15,8 @@
 #                                                                                -> $OUT/phase-E.{json,log}
 #   - stall:       dev/gpu/bench/stall_bench.py (128 streaming requests; the longest inter-token gap
 #                  a weight update causes, and tokens/s while it runs, vs undisturbed phases; extra
-#                  args: RLINFER_GPU_STALL_ARGS)                               -> $OUT/stall-E.{json,log}
+#                  args: RLINFER_GPU_STALL_ARGS, e.g. "--clock engine": vLLM's own step stamps)
+#                                                                               -> $OUT/stall-E.{json,log}
 #   - fp8:         dev/gpu/bench/fp8_refit_bench.py (FP8 rollout from BF16 weights: refit time FP8/BF16,
 #                  |dlogprob| vs the BF16 engine and an HF oracle, updates served) -> $OUT/fp8-E.{json,log}
 #   Two-GPU steps (nvidia-h200-x2; dev/gpu/run_x2.sh drives them, docs/gpu.md "The 2-GPU run"):
