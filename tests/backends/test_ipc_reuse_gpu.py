@@ -1,31 +1,41 @@
-"""CUDA tensors of the trainer reach SGLang's scheduler through buffers mapped once: the second and
-later updates of one layout reuse the buffers the worker mapped for the first
-(rlinfer_core.transfer.arena), and the engine serves each update's weights. Needs a CUDA GPU."""
+"""CUDA tensors of the trainer reach the engine (vLLM's worker, SGLang's scheduler) through
+buffers mapped once: with RLINFER_REUSE_IPC_BUFFERS=1 the second and later updates of one layout
+reuse the buffers the engine mapped for the first (rlinfer_core.transfer.arena), and the engine
+serves each update's weights. Needs a CUDA GPU; run in each engine's environment (the other
+engine's case skips there)."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-pytest.importorskip("sglang")
-
 import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a CUDA GPU")
 
+#: per backend: the engine's open arguments besides the model (SGLang: triton attention, the GPU
+#: bundle of docs/gpu.md leaves its FA3 kernels out)
+OPEN_ARGS: dict[str, dict[str, Any]] = {
+    "vllm": {"gpu_memory_utilization": 0.3},
+    "sglang": {"engine_kwargs": {"attention_backend": "triton"}},
+}
+
 
 def reused_per_update(caplog: pytest.LogCaptureFixture) -> list[Any]:
-    """``ipc_reused`` of each update's debug line (the backend's dict of scheduler timings)."""
+    """``ipc_reused`` of each update's debug line (the backend's dict of engine-side timings)."""
     rows = [a for r in caplog.records if isinstance(r.args, tuple) for a in r.args if isinstance(a, dict)]
     return [row["ipc_reused"] for row in rows if "ipc_reused" in row]
 
 
+@pytest.mark.parametrize("backend", sorted(OPEN_ARGS))
 def test_later_cuda_updates_map_no_new_buffer(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    backend: str, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    if importlib.util.find_spec(backend) is None:
+        pytest.skip(f"{backend} is not installed in this environment")
     from rlinfer_core.engine import Engine
     from rlinfer_core.tiny_model import make_tiny_model
     from rlinfer_core.transfer.arena import REUSE_ENV
@@ -33,15 +43,11 @@ def test_later_cuda_updates_map_no_new_buffer(
     from rlinfer_core.weights import NamedTensors
 
     monkeypatch.setenv(REUSE_ENV, "1")  # reuse is opt-in
-
     model = make_tiny_model(tmp_path / "model", seed=0)
     base = [(name, t.to("cuda")) for name, t in read_tensors(model)]
-    # triton attention: the GPU bundle of docs/gpu.md leaves SGLang's FA3 kernels out
-    engine = Engine.open(
-        "sglang", model=str(model), dtype="float32", device="cuda", engine_kwargs={"attention_backend": "triton"}
-    )
+    engine = Engine.open(backend, model=str(model), dtype="float32", device="cuda", **OPEN_ARGS[backend])
     try:
-        caplog.set_level(logging.DEBUG, logger="rlinfer_sglang")
+        caplog.set_level(logging.DEBUG, logger=f"rlinfer_{backend}")
         for step in range(3):
             update = [(name, t + 1e-3 * step) for name, t in base]
             engine.update_weights(NamedTensors.of(update))
