@@ -70,6 +70,8 @@ def _outputs_per_replica(pool: Any) -> list[list[tuple[int, ...]]]:
 def test_pool_reports_the_backend(pool: Any) -> None:
     assert pool.backend_name == pool.capabilities.backend
     assert pool_backend(pool).replica_states() == ["serving", "serving"]
+    # vLLM's replicas salt their prefix caches by weight version: a pool update resets none of them
+    assert pool_backend(pool).update_invalidates_prefixes
     procs = pool.engine_processes()
     assert {"replica0.actor", "replica1.actor"} <= set(procs)
     assert len(procs) > 2, f"engine processes of the replicas are listed: {procs}"

@@ -79,6 +79,9 @@ class PoolBackend(PoolStaging, DataPlane):
         self._capabilities = pool_capabilities(info.describe())
         self._model_info: ModelInfo | None = None
         self._weight_specs: Mapping[str, TensorSpec] = {}
+        #: every replica's update leaves no older prefix reachable (per-version cache keys), so
+        #: the facade does not reset the replicas' prefix caches after a pool update
+        self.update_invalidates_prefixes = False
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -106,6 +109,7 @@ class PoolBackend(PoolStaging, DataPlane):
         self._capabilities = pool_capabilities(infos[0]["capabilities"])
         self._model_info = infos[0]["model_info"]
         self._weight_specs = infos[0]["weight_specs"]
+        self.update_invalidates_prefixes = all(info["invalidates_prefixes"] for info in infos)
 
     @hookimpl
     def rlinfer_capabilities(self) -> Capabilities:

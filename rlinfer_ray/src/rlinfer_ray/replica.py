@@ -119,6 +119,7 @@ class ReplicaActor:
                     "capabilities": capabilities,
                     "model_info": model_info,
                     "weight_specs": dict(self.backend.rlinfer_weight_specs()),
+                    "invalidates_prefixes": bool(getattr(self.backend, "update_invalidates_prefixes", False)),
                     "pid": os.getpid(),
                     "node_id": _node_id(),
                     "procs": self._engine_procs(),
