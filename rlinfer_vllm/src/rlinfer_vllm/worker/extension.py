@@ -256,19 +256,10 @@ class RLInferWorkerExtension(StagedWeightsWorker):
 
     def rlinfer_load_buckets(self, manifests: bytes, payload: bytes, keep: bool = False) -> dict[str, float]:
         """Load core buckets (pickled manifests, data shared through ipc); ``keep``: ipc.keep_mapped."""
-        import pickle
-
-        from rlinfer_core.transfer import ipc
-        from rlinfer_core.transfer.buckets import unpack_all
-        from rlinfer_core.weights import Bucket
+        from rlinfer_vllm.worker.staging import received_buckets
 
         started = time.perf_counter()
-        metas = pickle.loads(manifests)
-        datas = [t for _, t in ipc.loads(payload)]
-        reused = ipc.keep_mapped(datas if keep else ())
-        buckets = [Bucket(m, d) for m, d in zip(metas, datas, strict=True)]
-        # the facade verified the checksums on these very bytes (same shared memory)
-        tensors = unpack_all(buckets, check=False)
+        tensors, reused = received_buckets(manifests, payload, keep)
         return {**self._rlinfer_apply(tensors, map_s=time.perf_counter() - started), "ipc_reused": reused}
 
     def rlinfer_load_dir(self, path: str) -> dict[str, float]:

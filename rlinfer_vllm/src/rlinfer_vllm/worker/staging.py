@@ -23,6 +23,23 @@ if TYPE_CHECKING:
 Pair = tuple[str, "torch.Tensor"]
 
 
+def received_buckets(manifests: bytes, payload: bytes, keep: bool) -> tuple[list[Pair], int]:
+    """The tensors of core buckets sent as pickled manifests plus data shared through ipc (the
+    facade verified their checksums on these very bytes), and how many buckets were mapped
+    already; ``keep``: hold the CUDA ones mapped until the next update (ipc.keep_mapped)."""
+    import pickle
+
+    from rlinfer_core.transfer import ipc
+    from rlinfer_core.transfer.buckets import unpack_all
+    from rlinfer_core.weights import Bucket
+
+    metas = pickle.loads(manifests)
+    datas = [t for _, t in ipc.loads(payload)]
+    reused = ipc.keep_mapped(datas if keep else ())
+    buckets = [Bucket(m, d) for m, d in zip(metas, datas, strict=True)]
+    return unpack_all(buckets, check=False), reused
+
+
 class StagedWeightsWorker:
     """The staging half of the worker extension (see the module docstring)."""
 
@@ -47,17 +64,8 @@ class StagedWeightsWorker:
     ) -> dict[str, float]:
         """Stage core buckets (pickled manifests plus their data shared through ipc; ``keep``: as
         in ``rlinfer_load_buckets``)."""
-        import pickle
-
-        from rlinfer_core.transfer import ipc
-        from rlinfer_core.transfer.buckets import unpack_all
-        from rlinfer_core.weights import Bucket
-
-        metas = pickle.loads(manifests)
-        datas = [t for _, t in ipc.loads(payload)]
-        reused = ipc.keep_mapped(datas if keep else ())
-        buckets = [Bucket(m, d) for m, d in zip(metas, datas, strict=True)]
-        return {**self._rlinfer_stage(staging_id, unpack_all(buckets, check=False), copy=True), "ipc_reused": reused}
+        tensors, reused = received_buckets(manifests, payload, keep)
+        return {**self._rlinfer_stage(staging_id, tensors, copy=True), "ipc_reused": reused}
 
     def rlinfer_stage_dir(self, staging_id: str, path: str) -> dict[str, float]:
         """Stage every tensor of a safetensors directory, all checked finite."""
