@@ -129,8 +129,6 @@ class EngineStaging(EngineWeights):
     async def _stage_locked(self, staging: AsyncWeightStaging, update: WeightUpdate) -> None:
         """Validate ``update`` as a part of ``staging`` and have the backend stage it. A refusal
         here leaves the staging as it was; a failure inside the engine cancels the staging."""
-        from rlinfer_core.transfer.validate import validate_source
-
         if isinstance(update.source, BroadcastSource):
             raise InvalidRequest(
                 "source", "stage_weights takes named tensors, buckets or a checkpoint directory, not a broadcast"
@@ -139,7 +137,7 @@ class EngineStaging(EngineWeights):
             raise InvalidRequest("version", f"this staging makes version {staging.version}, got {update.version}")
         self.capabilities.require(transport_capability(update.source))
         source = self._under_checkpoint_names(update.source)
-        nbytes = validate_source(source, self.weight_specs)
+        nbytes = self._validate(source)
         names = frozenset(source_names(source))
         twice = sorted(names & staging.names)
         if twice:

@@ -174,6 +174,13 @@ def rlinfer_update_weights(update: WeightUpdate) -> Awaitable[None]:
     ``update_invalidates_prefixes = True``: then its update leaves no prefix computed by older
     weights reachable by later requests itself.
 
+    The facade validates names, shapes, dtypes and values first, except the values of
+    :class:`~rlinfer_core.weights.NamedTensors` on CUDA where the backend states
+    ``checks_cuda_tensor_values = True``: it then packs them with
+    ``rlinfer_core.transfer.ipc.pack_cuda(..., check_values=True)`` (which raises
+    WeightUpdateError for NaN or inf) before anything loads, here and in
+    :func:`rlinfer_stage_weights`.
+
     ``update.version`` is the version these weights will have (set by the facade); tokens
     produced after the load carry it in ``Completion.token_versions``.
     """

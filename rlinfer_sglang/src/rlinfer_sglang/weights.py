@@ -73,6 +73,9 @@ class Weights(BackendBase):
         """The checkpoint's parameter names, in the engine's dtype, with their shapes."""
         return dict(self._specs)
 
+    #: the facade leaves the values of CUDA tensors to the packing in :meth:`_load`
+    checks_cuda_tensor_values = True
+
     #: the cache key of the version an update in progress loads (salting transports only)
     _update_key: str | None = None
     #: a salted update found requests that SGLang's pause keeps from its scheduler: it flushes
@@ -284,7 +287,9 @@ class Weights(BackendBase):
         # of the buffers and synchronizes before the call returns; a call that does not return
         # makes the arena forget them (sending).
         arena = self._ipc_arena
-        cuda_buckets = ipc.pack_cuda(source.tensors, arena=arena) if isinstance(source, NamedTensors) else None
+        cuda_buckets = (
+            ipc.pack_cuda(source.tensors, arena=arena, check_values=True) if isinstance(source, NamedTensors) else None
+        )
         # exhaustive: a new WeightSource type is a mypy error here until it is handled
         match source:
             case NamedTensors() if cuda_buckets is not None:

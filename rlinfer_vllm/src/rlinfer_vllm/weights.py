@@ -85,6 +85,8 @@ class WeightHooks:
 
     #: the facade skips its prefix-cache reset after an update: :meth:`_after_load` does what is needed
     update_invalidates_prefixes = True
+    #: the facade leaves the values of CUDA tensors to :func:`prepare_source`'s packing
+    checks_cuda_tensor_values = True
 
     @contextlib.asynccontextmanager
     async def _paused_for_load(self, new_version: bool) -> AsyncIterator[Transport]:
@@ -197,7 +199,7 @@ class Prepared:
 
 async def prepare_source(source: WeightSource, engine_gpus: int, arena: PackArena) -> Prepared:
     """Pack named tensors for the worker (off the event loop for host tensors); CUDA tensors
-    into ``arena``'s buffers.
+    into ``arena``'s buffers, their values checked there (WeightUpdateError for NaN or inf).
 
     vLLM starts its engine processes seeing only the engine's GPUs (this process's first
     ``engine_gpus``): CUDA tensors on another GPU are first copied onto GPU 0, since a CUDA IPC
@@ -214,7 +216,7 @@ async def prepare_source(source: WeightSource, engine_gpus: int, arena: PackAren
     # are serialized (the facade's weight lock, _pause_lock) and every worker load and staging
     # copies out of the buffers and synchronizes before its call returns; a call that does not
     # return makes the arena forget them (PackArena.sending).
-    cuda_buckets = ipc.pack_cuda(source.tensors, visible_gpus=engine_gpus, arena=arena)
+    cuda_buckets = ipc.pack_cuda(source.tensors, visible_gpus=engine_gpus, arena=arena, check_values=True)
     if cuda_buckets is not None:
         return Prepared(cuda_buckets=cuda_buckets, keep_mapped=arena.keep)
     payload = await asyncio.get_running_loop().run_in_executor(None, ipc.dumps, list(source.tensors))

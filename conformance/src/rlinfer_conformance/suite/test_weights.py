@@ -161,7 +161,8 @@ def _poison(value: float) -> Callable[[KitWorld], Any]:
     def make(w: KitWorld) -> Any:
         t = _tensors(w)
         t[-1][1].view(-1)[7] = value
-        return NamedTensors.of(t)
+        # on the kit's trainer device: a backend may check the values of CUDA tensors itself
+        return NamedTensors.of(trainer_side.to_trainer(t))
 
     return make
 

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from rlinfer_core.errors import WeightUpdateError
+from rlinfer_core.transfer.copies import copy_all
 from rlinfer_core.weights import Bucket, BucketManifest, ManifestEntry
 
 if TYPE_CHECKING:
@@ -90,12 +91,12 @@ def pack(
             entries, sources, slots = [], [], []
             offset = 0
             for name, tensor in chunk:
-                raw = as_bytes(tensor)
-                sources.append(raw)
-                slots.append(data[offset : offset + raw.numel()])
-                entries.append(ManifestEntry(name, dtype_name(dtype), tuple(tensor.shape), offset, raw.numel()))
-                offset += raw.numel()
-            torch._foreach_copy_(slots, sources)  # a few kernels for the whole bucket on a GPU
+                nbytes = tensor.numel() * tensor.element_size()
+                sources.append(tensor.detach())
+                slots.append(data[offset : offset + nbytes])
+                entries.append(ManifestEntry(name, dtype_name(dtype), tuple(tensor.shape), offset, nbytes))
+                offset += nbytes
+            copy_all(slots, sources)  # a few kernels for the whole bucket on a GPU
             use_checksum = (target.type == "cpu") if with_checksum is None else with_checksum
             digest = checksum(data, total) if use_checksum else None
             buckets.append(Bucket(BucketManifest(dtype_name(dtype), total, tuple(entries), digest), data))

@@ -50,8 +50,16 @@ def loads(payload: bytes) -> list[tuple[str, torch.Tensor]]:
     return result
 
 
+def all_cuda(tensors: Sequence[tuple[str, torch.Tensor]]) -> bool:
+    """Whether there are tensors and every one is on a CUDA device (what :func:`pack_cuda` packs)."""
+    return bool(tensors) and all(t.device.type == "cuda" for _, t in tensors)
+
+
 def pack_cuda(
-    tensors: Sequence[tuple[str, torch.Tensor]], visible_gpus: int | None = None, arena: PackArena | None = None
+    tensors: Sequence[tuple[str, torch.Tensor]],
+    visible_gpus: int | None = None,
+    arena: PackArena | None = None,
+    check_values: bool = False,
 ) -> list[Bucket] | None:
     """Pack CUDA tensors into per-dtype buckets (no checksum); None if any tensor is not on CUDA.
 
@@ -67,8 +75,13 @@ def pack_cuda(
 
     ``arena``: pack into its buffers (reused while the layout stays the same, so the receiver
     maps nothing new: :mod:`rlinfer_core.transfer.arena`) instead of fresh ones.
+
+    ``check_values``: raise WeightUpdateError naming every tensor that holds NaN or inf, decided
+    on the packed buckets (:func:`rlinfer_core.transfer.validate.packed_nonfinite_problems`): a
+    backend that packs with it lets the facade skip its own pass over the values
+    (``checks_cuda_tensor_values``, see :func:`rlinfer_core.hookspecs.rlinfer_update_weights`).
     """
-    if not tensors or any(t.device.type != "cuda" for _, t in tensors):
+    if not all_cuda(tensors):
         return None
     import torch
 
@@ -84,6 +97,13 @@ def pack_cuda(
     # before sharing.
     for device in {t.device for _, t in tensors} | ({target} if target is not None else set()):
         torch.cuda.synchronize(device)
+    if check_values:
+        from rlinfer_core.errors import WeightUpdateError
+        from rlinfer_core.transfer.validate import packed_nonfinite_problems
+
+        problems = packed_nonfinite_problems(buckets, tensors)
+        if problems:
+            raise WeightUpdateError("weight update rejected", tuple(problems))
     return buckets
 
 

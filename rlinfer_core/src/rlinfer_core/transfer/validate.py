@@ -6,7 +6,7 @@ trainer sees all bad names/shapes/dtypes at once. Nothing here touches the engin
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, assert_never
 
 from rlinfer_core.errors import WeightUpdateError
@@ -21,6 +21,8 @@ from rlinfer_core.weights import (
 
 if TYPE_CHECKING:
     import torch
+
+    from rlinfer_core.weights import Bucket
 
 
 def spec_problems(incoming: Iterable[TensorSpec], expected: Mapping[str, TensorSpec]) -> list[str]:
@@ -76,20 +78,54 @@ def nonfinite_problems(tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]
     return [f"{name}: holds NaN or inf values" for name, t in floats if not bool(torch.isfinite(t).all())]
 
 
+def packed_nonfinite_problems(buckets: Sequence[Bucket], tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """:func:`nonfinite_problems` of ``tensors`` after they were packed into ``buckets``, decided
+    on the packed bytes: one sum per floating-point bucket (float32 accumulation, float64 for
+    float64 buckets), a single reduction over contiguous memory, where a check per tensor reads
+    hundreds of separate allocations. NaN or inf anywhere makes a sum non-finite; only then are
+    the tensors checked one by one (:func:`nonfinite_problems`) to name the offenders."""
+    import torch
+
+    from rlinfer_core.transfer.buckets import to_dtype
+
+    suspect = False
+    sums = []
+    for bucket in buckets:
+        dtype = to_dtype(bucket.manifest.dtype)
+        if not dtype.is_floating_point or bucket.data.numel() == 0:
+            continue
+        accumulate = torch.float64 if dtype == torch.float64 else torch.float32
+        try:
+            sums.append(torch.sum(bucket.data.view(dtype), dtype=accumulate))
+        except RuntimeError:  # a dtype the reduction lacks (e.g. float8): check one by one
+            suspect = True
+    suspect = suspect or not all(bool(torch.isfinite(total)) for total in sums)
+    return nonfinite_problems(tensors) if suspect else []
+
+
 def _named_specs(tensors: Iterable[tuple[str, torch.Tensor]]) -> list[TensorSpec]:
     return [TensorSpec(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in tensors]
 
 
-def check_tensors(tensors: list[tuple[str, torch.Tensor]], expected: Mapping[str, TensorSpec]) -> int:
-    """Validate named tensors; return their total size in bytes."""
-    problems = spec_problems(_named_specs(tensors), expected) + nonfinite_problems(tensors)
+def check_tensors(
+    tensors: list[tuple[str, torch.Tensor]], expected: Mapping[str, TensorSpec], values: bool = True
+) -> int:
+    """Validate named tensors (``values``: their values too, see :func:`validate_source`);
+    return their total size in bytes."""
+    problems = spec_problems(_named_specs(tensors), expected)
+    if values:
+        problems += nonfinite_problems(tensors)
     if problems:
         raise WeightUpdateError("weight update rejected", tuple(problems))
     return sum(t.numel() * t.element_size() for _, t in tensors)
 
 
-def validate_source(source: WeightSource, expected: Mapping[str, TensorSpec]) -> int:
+def validate_source(source: WeightSource, expected: Mapping[str, TensorSpec], *, values: bool = True) -> int:
     """Validate any weight source against ``expected``; return the bytes it carries.
+
+    ``values=False`` leaves the finiteness of named tensors to the backend, which checks it
+    while packing them (:func:`packed_nonfinite_problems`, before anything is loaded): the
+    facade's own pass would read every byte once more.
 
     Checkpoint directories (by their safetensors headers) and broadcast sources are checked by
     spec only here; the backend checks the finiteness of what it reads or receives, where it
@@ -98,7 +134,7 @@ def validate_source(source: WeightSource, expected: Mapping[str, TensorSpec]) ->
     """
     match source:
         case NamedTensors():
-            return check_tensors(list(source.tensors), expected)
+            return check_tensors(list(source.tensors), expected, values)
         case Buckets():
             from rlinfer_core.transfer.buckets import unpack_all
 
