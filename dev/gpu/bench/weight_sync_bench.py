@@ -124,32 +124,46 @@ def load_weight_sets(
 
 
 def breakdown(engine: Any, tensors: list[tuple[str, Any]], nbytes: int, repeats: int) -> dict[str, Any]:
-    """Where an update's time goes, by timing its parts alone (medians): the facade's validation,
-    packing for CUDA IPC into fresh buffers and into a reused arena's (what the backends do from
-    the second update of a layout on, rlinfer_core.transfer.arena), and, as the physical floor,
-    one device-to-device copy of the same bytes."""
+    """Where an update's time goes, by timing its parts alone (medians): the facade's validation
+    (all of it, and the names/shapes/dtypes alone, which is what it does for CUDA tensors when the
+    backend checks their values on the packed buckets), packing for CUDA IPC into fresh buffers
+    (with and without that value check) and into a reused arena's (rlinfer_core.transfer.arena),
+    the same packing copy over uint8 views (how packing copied before copies.copy_all), and, as
+    the physical floors, one device-to-device copy of the same bytes per tensor (a multi-tensor
+    copy) and as one contiguous buffer."""
     import torch
 
     from rlinfer_core.transfer import ipc
     from rlinfer_core.transfer.arena import PackArena
+    from rlinfer_core.transfer.buckets import as_bytes
     from rlinfer_core.transfer.validate import validate_source
     from rlinfer_core.weights import NamedTensors
 
     source = NamedTensors.of(tensors)
     targets = [torch.empty_like(t) for _, t in tensors]
+    byte_slots = [as_bytes(t) for t in targets]
+    flat_src = torch.empty(nbytes, dtype=torch.uint8, device=tensors[0][1].device)
+    flat_dst = torch.empty_like(flat_src)
     arena = PackArena()
     parts: dict[str, Callable[[], Any]] = {
         "validate_s": lambda: validate_source(source, engine.weight_specs),
+        "validate_specs_s": lambda: validate_source(source, engine.weight_specs, values=False),
         "pack_for_ipc_s": lambda: ipc.pack_cuda(tensors),
+        "pack_checked_s": lambda: ipc.pack_cuda(tensors, check_values=True),
         "pack_into_arena_s": lambda: ipc.pack_cuda(tensors, arena=arena),  # the warm-up allocates
+        "copy_as_uint8_s": lambda: torch._foreach_copy_(byte_slots, [as_bytes(t) for _, t in tensors]),
         "d2d_copy_floor_s": lambda: torch._foreach_copy_(targets, [t for _, t in tensors]),
+        "d2d_memcpy_floor_s": lambda: flat_dst.copy_(flat_src),
     }
     out: dict[str, Any] = {}
     for name, fn in parts.items():
         fn()  # warm-up
         out[name] = statistics.median(timed(fn)[0] for _ in range(repeats))
     out["d2d_copy_floor_gb_per_s"] = nbytes / GB / out["d2d_copy_floor_s"]
+    out["d2d_memcpy_floor_gb_per_s"] = nbytes / GB / out["d2d_memcpy_floor_s"]
     targets.clear()
+    byte_slots.clear()
+    del flat_src, flat_dst
     arena.clear()
     torch.cuda.empty_cache()
     return out
