@@ -142,8 +142,7 @@ def breakdown(engine: Any, tensors: list[tuple[str, Any]], nbytes: int, repeats:
     source = NamedTensors.of(tensors)
     targets = [torch.empty_like(t) for _, t in tensors]
     byte_slots = [as_bytes(t) for t in targets]
-    flat_src = torch.empty(nbytes, dtype=torch.uint8, device=tensors[0][1].device)
-    flat_dst = torch.empty_like(flat_src)
+    flat = [torch.empty(nbytes, dtype=torch.uint8, device=tensors[0][1].device) for _ in range(2)]
     arena = PackArena()
     parts: dict[str, Callable[[], Any]] = {
         "validate_s": lambda: validate_source(source, engine.weight_specs),
@@ -153,7 +152,7 @@ def breakdown(engine: Any, tensors: list[tuple[str, Any]], nbytes: int, repeats:
         "pack_into_arena_s": lambda: ipc.pack_cuda(tensors, arena=arena),  # the warm-up allocates
         "copy_as_uint8_s": lambda: torch._foreach_copy_(byte_slots, [as_bytes(t) for _, t in tensors]),
         "d2d_copy_floor_s": lambda: torch._foreach_copy_(targets, [t for _, t in tensors]),
-        "d2d_memcpy_floor_s": lambda: flat_dst.copy_(flat_src),
+        "d2d_memcpy_floor_s": lambda: flat[1].copy_(flat[0]),
     }
     out: dict[str, Any] = {}
     for name, fn in parts.items():
@@ -163,7 +162,7 @@ def breakdown(engine: Any, tensors: list[tuple[str, Any]], nbytes: int, repeats:
     out["d2d_memcpy_floor_gb_per_s"] = nbytes / GB / out["d2d_memcpy_floor_s"]
     targets.clear()
     byte_slots.clear()
-    del flat_src, flat_dst
+    flat.clear()
     arena.clear()
     torch.cuda.empty_cache()
     return out
