@@ -248,7 +248,10 @@ async def send_buckets(buckets: Sequence[Bucket], rpc: Rpc, keep_mapped: bool = 
 
     manifests = pickle.dumps([b.manifest for b in buckets])
     pairs = [(str(i), b.data) for i, b in enumerate(buckets)]
-    payload = await asyncio.get_running_loop().run_in_executor(None, ipc.dumps, pairs)
+    if ipc.all_cuda(pairs):  # handles only: no copy into shared memory to keep off the event loop
+        payload = ipc.dumps(pairs)
+    else:
+        payload = await asyncio.get_running_loop().run_in_executor(None, ipc.dumps, pairs)
     return await rpc("rlinfer_load_buckets", manifests, payload, keep_mapped)
 
 
