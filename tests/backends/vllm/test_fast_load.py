@@ -1,5 +1,6 @@
-"""Fast in-place weight loading (rlinfer_vllm.worker.fast_load): slice selection, the batched copy, the
-fallback decision.
+"""Fast in-place weight loading on vLLM (rlinfer_vllm.worker.fast_load over the core's FastLoader):
+slice selection, the batched copy, the fallback decision (the engine-agnostic parts:
+tests/core/test_fast_load.py).
 
 The unit tests run on CPU over ``CausalLMDouble``, a small torch module built here that has the
 layout vLLM's CUDA layers give Qwen2/Llama (fused ``qkv_proj``/``gate_up_proj`` with
@@ -24,7 +25,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from rlinfer_vllm.worker import fast_load  # noqa: E402
-from rlinfer_vllm.worker.fast_load import FastLoader, drop_overlaps, ineligible_reason, parameter_views  # noqa: E402
+from rlinfer_vllm.worker.fast_load import fast_loader, ineligible_reason, parameter_views  # noqa: E402
 
 HIDDEN, HEADS_Q, HEADS_KV, HEAD, INTER, VOCAB, PADDED = 8, 4, 2, 2, 12, 10, 16
 Q, KV = HEADS_Q * HEAD, HEADS_KV * HEAD
@@ -170,7 +171,7 @@ def test_every_checkpoint_tensor_has_a_parameter_slice(tied: bool) -> None:
 def test_fast_load_matches_the_weight_loaders(tied: bool) -> None:
     fast_model, reference = CausalLMDouble(tied), CausalLMDouble(tied)
     shapes = checkpoint_shapes(tied)
-    loader = FastLoader(lambda: fast_model, specs_of(shapes), torch.float32)
+    loader = fast_loader(lambda: fast_model, specs_of(shapes), torch.float32)
     for seed in (1, 2):
         update = random_update(shapes, seed)
         assert loader.load(update)
@@ -186,7 +187,7 @@ def test_fast_load_matches_the_weight_loaders(tied: bool) -> None:
 def test_partial_update_of_one_fused_part_writes_only_its_rows() -> None:
     model = CausalLMDouble(tied=False)
     shapes = checkpoint_shapes(tied=False)
-    loader = FastLoader(lambda: model, specs_of(shapes), torch.float32)
+    loader = fast_loader(lambda: model, specs_of(shapes), torch.float32)
     before = snapshot(model)
     k = torch.full((KV, HIDDEN), 3.0)
     assert loader.load([("model.layers.1.self_attn.k_proj.weight", k)])
@@ -207,7 +208,7 @@ def test_tied_checkpoint_listing_the_head_skips_it(tie: str) -> None:
         model.lm_head = PlainDouble(PADDED, HIDDEN)
         model.lm_head.weight = model.model.embed_tokens.weight
     shapes = checkpoint_shapes(tied=True) | {"lm_head.weight": (VOCAB, HIDDEN)}
-    loader = FastLoader(lambda: model, specs_of(shapes), torch.float32)
+    loader = fast_loader(lambda: model, specs_of(shapes), torch.float32)
     assert set(shapes) - set(loader.views()) == {"lm_head.weight"}
     head, embed = torch.full((VOCAB, HIDDEN), 5.0), torch.full((VOCAB, HIDDEN), 7.0)
     assert loader.load([("lm_head.weight", head), ("model.embed_tokens.weight", embed)])
@@ -224,7 +225,7 @@ def test_names_sharing_bytes_fall_back() -> None:
     model = CausalLMDouble(tied=False)
     model.lm_head.weight = model.model.embed_tokens.weight
     shapes = checkpoint_shapes(tied=False)
-    loader = FastLoader(lambda: model, specs_of(shapes), torch.float32)
+    loader = fast_loader(lambda: model, specs_of(shapes), torch.float32)
     assert set(shapes) - set(loader.views()) == {"lm_head.weight", "model.embed_tokens.weight"}
     before = snapshot(model)
     assert not loader.load([("model.norm.weight", torch.ones(HIDDEN)), ("lm_head.weight", torch.ones(VOCAB, HIDDEN))])
@@ -245,7 +246,7 @@ def test_names_sharing_bytes_fall_back() -> None:
 def test_one_tensor_without_a_slice_means_nothing_written(bad: tuple[str, Any]) -> None:
     model = CausalLMDouble(tied=False)
     shapes = checkpoint_shapes(tied=False) | {"model.layers.0.self_attn.rotary_emb.inv_freq": (HEAD // 2,)}
-    loader = FastLoader(lambda: model, specs_of(shapes), torch.float32)
+    loader = fast_loader(lambda: model, specs_of(shapes), torch.float32)
     update = [*random_update(checkpoint_shapes(tied=False), seed=3), bad]
     assert not loader.load(update)
     assert all(torch.count_nonzero(p) == 0 for p in model.parameters())
@@ -284,7 +285,7 @@ def test_a_layout_the_plan_cannot_read_falls_back(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(served, "served_tensors", broken)
     model = CausalLMDouble(tied=False)
-    loader = FastLoader(lambda: model, specs_of(checkpoint_shapes(tied=False)), torch.float32)
+    loader = fast_loader(lambda: model, specs_of(checkpoint_shapes(tied=False)), torch.float32)
     assert not loader.load([("model.norm.weight", torch.ones(HIDDEN))])
     assert torch.count_nonzero(model.model.norm.weight) == 0
 
@@ -292,7 +293,7 @@ def test_a_layout_the_plan_cannot_read_falls_back(monkeypatch: pytest.MonkeyPatc
 def test_views_are_cached_until_a_parameter_is_replaced() -> None:
     model = CausalLMDouble(tied=False)
     shapes = checkpoint_shapes(tied=False)
-    loader = FastLoader(lambda: model, specs_of(shapes), torch.float32)
+    loader = fast_loader(lambda: model, specs_of(shapes), torch.float32)
     first = loader.views()
     assert loader.plan_s > 0
     assert loader.views() is first and loader.plan_s == 0.0
@@ -303,14 +304,6 @@ def test_views_are_cached_until_a_parameter_is_replaced() -> None:
     assert torch.equal(model.model.norm.weight, torch.full((HIDDEN,), 2.0))
     loader.invalidate()
     assert loader.views() is not first and loader.plan_s > 0
-
-
-def test_drop_overlaps_removes_every_name_sharing_bytes() -> None:
-    base = torch.zeros(20, 2)
-    other = torch.zeros(4, 2)
-    views = {"a": base[0:10], "b": base[2:4], "c": base[8:12], "d": base[12:20], "e": other[0:4], "f": base[0:0]}
-    kept = drop_overlaps(views)
-    assert set(kept) == {"d", "e", "f"}
 
 
 def _config(**over: Any) -> Any:

@@ -47,7 +47,7 @@ from rlinfer_vllm.worker.staging import StagedWeightsWorker
 if TYPE_CHECKING:
     import torch
 
-    from rlinfer_vllm.worker.fast_load import FastLoader
+    from rlinfer_core.transfer.fast_load import FastLoader
     from rlinfer_vllm.worker.fp8_load import Fp8FastLoader
 
 Pair = tuple[str, "torch.Tensor"]
@@ -130,14 +130,14 @@ class RLInferWorkerExtension(StagedWeightsWorker):
         """The batched loader for this in-place engine, or None where it can never apply."""
         import logging
 
-        from rlinfer_vllm.worker.fast_load import FastLoader, ineligible_reason
+        from rlinfer_vllm.worker.fast_load import fast_loader, ineligible_reason
 
         why_not = ineligible_reason(self.vllm_config, self.model_runner.get_model())
         if why_not is not None:
             logging.getLogger("rlinfer_vllm.worker").info("fast weight loading off: %s", why_not)
             return None
         served = self.vllm_config.model_config.dtype
-        return FastLoader(self.model_runner.get_model, self._rlinfer_specs, served)
+        return fast_loader(self.model_runner.get_model, self._rlinfer_specs, served)
 
     def rlinfer_fast_load_state(self) -> dict[str, Any]:
         """Whether updates can be loaded fast here and why not (``reason``), and how many of the

@@ -71,7 +71,7 @@ import attrs
 if TYPE_CHECKING:
     import torch
 
-from rlinfer_vllm.worker.fast_load import Specs
+from rlinfer_core.transfer.fast_load import Specs
 
 #: the vLLM release whose online FP8 this module reproduces (others keep the reload)
 VLLM_SERIES = "0.26."
@@ -294,7 +294,7 @@ class Fp8FastLoader:
         quantize: Callable[[Fp8Layer, Any], None] = quantize_into,
         build: Callable[[Any, Specs, Any], Fp8Plan] = build_plan,
     ) -> None:
-        from rlinfer_vllm.worker.fast_load import PerModel
+        from rlinfer_core.transfer.fast_load import PerModel
 
         self._quantize = quantize
         self._build = build
