@@ -52,6 +52,7 @@ ENV = "RLINFER_VLLM_FAST_LOAD"
 #: model classes whose ``load_weights`` only copies into parameter slices on CUDA (unquantized)
 VERIFIED_ARCHITECTURES = frozenset({"LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
 
+
 def enabled_by_env() -> bool:
     """Whether :data:`ENV` leaves the fast path on (the default)."""
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
