@@ -1,11 +1,13 @@
 """Weights on SGLang, per tiny architecture (llama; qwen2 with q/k/v biases and a tied output head;
 qwen3 with q/k norms): every transport loads the second model, the engine then serves it bit for
 bit (``verify_weights``, checksums computed in the scheduler) and generates what HF transformers
-computes from it (the tied head too), and a deliberately wrong tensor is caught."""
+computes from it (the tied head too), and a deliberately wrong tensor is caught. On CPU the
+scheduler keeps ``load_weights`` (no fast in-place load)."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -110,6 +112,22 @@ def test_every_transport_serves_what_was_sent(world: dict[str, Any], kind: str) 
         assert result.ok, (kind, result.mismatched, result.missing)
         assert len(result.checked) == len(tensors) + (1 if world["arch"] == "qwen2" else 0), "tied head checked"
         assert _hf_parity(engine, path) < 1e-5, f"{kind}: logprobs equal HF ({world['arch']})"
+
+
+def test_cpu_engine_keeps_load_weights(world: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
+    """On CPU the fast path (rlinfer_sglang.scheduler.fast_load) must not apply: SGLang's CPU
+    kernels may repack weights. The scheduler's outcome says so, and the update is served."""
+    engine, (a, b), root = world["engine"], world["paths"], world["root"]
+    for path in (b, a):
+        tensors = _tensors(path)
+        with caplog.at_level(logging.DEBUG, logger="rlinfer_sglang.weights"):
+            _update(engine, "tensors", tensors, root)
+        rows = [r.args for r in caplog.records if "scheduler outcomes" in str(r.msg)]
+        loads = [row[1] for row in rows if isinstance(row, tuple) and row[0] == "tensors"]
+        assert loads, rows
+        (outcome,) = loads[-1]  # one TP rank
+        assert outcome["fast_load"] == 0.0 and outcome["ok"]
+        assert engine.verify_weights(tensors).ok
 
 
 def test_a_wrong_tensor_is_detected(world: dict[str, Any]) -> None:
