@@ -130,6 +130,21 @@ def test_cpu_engine_keeps_load_weights(world: dict[str, Any], caplog: pytest.Log
         assert engine.verify_weights(tensors).ok
 
 
+def test_fast_load_plan_on_the_real_module_tree(world: dict[str, Any]) -> None:
+    """The fast path's plan over SGLang's own layers (their ``output_sizes``, ``org_vocab_size``
+    and weight loaders): every checkpoint tensor has a slice, a tied head is skipped, the padded
+    vocabulary is zero-filled. On CPU the engine is not eligible all the same."""
+    engine, (a, _) = world["engine"], world["paths"]
+    backend = engine.async_engine._backend
+    plan = engine._run(backend._scheduler_op({"op": "fast_plan"}, flush=False))["fast_plan"]
+    names = {name for name, _ in _tensors(a)}
+    tied = world["arch"] == "qwen2"
+    assert set(plan["mapped"]) == (names - {"lm_head.weight"} if tied else names)
+    assert plan["skipped"] == (["lm_head.weight"] if tied else [])
+    assert set(plan["zeroed"]) <= {"model.embed_tokens.weight", "lm_head.weight"}
+    assert plan["reason"] is not None and plan["reason"].startswith("device cpu")
+
+
 def test_a_wrong_tensor_is_detected(world: dict[str, Any]) -> None:
     engine, (a, _) = world["engine"], world["paths"]
     tensors = dict(_tensors(a))

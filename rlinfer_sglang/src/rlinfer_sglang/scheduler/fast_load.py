@@ -185,6 +185,18 @@ def parameter_views(model: Any) -> SlicePlan:
     return SlicePlan(views, skipped, {name: pad for name, pad in zeroed.items() if name in views})
 
 
+def plan_report(model: Any) -> dict[str, Any]:
+    """Why updates are not loaded fast here (``reason``, None: they are) and the plan the model's
+    module tree gives (``mapped``, ``skipped``, ``zeroed``: sorted names), whatever the reason."""
+    plan = parameter_views(model)
+    return {
+        "reason": engine_reason(model),
+        "mapped": sorted(plan.views),
+        "skipped": sorted(plan.skipped),
+        "zeroed": sorted(plan.zeroed),
+    }
+
+
 class SchedulerFastLoad:
     """The fast path of one scheduler process: whether its engine is eligible (checked once per
     model, the reason logged once) and the core's cached :class:`~rlinfer_core.transfer.fast_load.FastLoader`."""

@@ -13,6 +13,7 @@ the model and the deserialized ``(name, tensor)`` pairs. The first pair is a con
   builder, so both ends build the same group) as rank 1 + tensor-parallel rank.
 - ``broadcast``: receive ``specs`` from rank 0 of group ``group_name``.
 - ``checksum``: checksums of the served parameters, mapped back to the HF names ``specs``.
+- ``fast_plan``: what :mod:`rlinfer_sglang.scheduler.fast_load` makes of this engine (tests).
 - ``release_mapped``: drop the CUDA buckets kept mapped since the last ``buckets`` update (at
   shutdown, so that the sender can free them: ``rlinfer_core.transfer.arena.PackArena.close``).
 
@@ -316,6 +317,10 @@ def load(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
             _join(control)
         elif control["op"] == "checksum":
             outcome["checksums"] = _checksums(model, control["specs"])
+        elif control["op"] == "fast_plan":
+            from rlinfer_sglang.scheduler.fast_load import plan_report
+
+            outcome["fast_plan"] = plan_report(model)
         elif control["op"] == "release_mapped":
             from rlinfer_core.transfer.ipc import keep_mapped
 
