@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING
 import attrs
 
 from rlinfer_core.transfer.buckets import DEFAULT_BUCKET_BYTES, checksum, pack
-from rlinfer_core.transfer.copies import as_words, copy_all
 from rlinfer_core.weights import Bucket
 
 if TYPE_CHECKING:
@@ -40,7 +39,7 @@ REUSE_ENV = "RLINFER_REUSE_IPC_BUFFERS"
 
 #: what makes two updates pack into the same buffers: every (name, dtype, shape, device) in
 #: order, the target device and the bucket size
-Layout = tuple[tuple[tuple[str, str, tuple[int, ...], str], ...], str, int]
+Layout = tuple[tuple[tuple[str, "torch.dtype", "torch.Size", "torch.device"], ...], str, int]
 
 
 class PackArena:
@@ -77,12 +76,15 @@ class PackArena:
         device: torch.device | str | None = None,
     ) -> list[Bucket]:
         """:func:`rlinfer_core.transfer.buckets.pack` of ``tensors``, into the buffers of the last
-        pack when the layout is the same (one batched copy, :func:`copy_all`; the same storages), else
+        pack when the layout is the same (one ``torch._foreach_copy_``; the same storages), else
         into fresh buffers that replace them (the old ones are dropped first)."""
         self.packed = True
         layout = _layout(tensors, max_bucket_bytes, device)
         if layout is not None and layout == self._layout:
-            copy_all(self._slots, [t.detach() for _, t in tensors])
+            import torch
+
+            with torch.no_grad():
+                torch._foreach_copy_(self._slots, [t for _, t in tensors])
             self.reuses += 1
             return [_rechecked(b) for b in self._buckets]
         self.clear()
@@ -131,20 +133,16 @@ def _layout(
     """The update's layout; None where a name repeats."""
     if len({name for name, _ in tensors}) != len(tensors):
         return None
-    parts = tuple((name, str(t.dtype), tuple(t.shape), str(t.device)) for name, t in tensors)
+    parts = tuple((name, t.dtype, t.shape, t.device) for name, t in tensors)
     return parts, str(device), max_bucket_bytes
 
 
 def _slots(buckets: Sequence[Bucket], tensors: Sequence[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
-    """Each input tensor's bytes in the buckets, in input order (as 8-byte words where they
-    allow it: :func:`rlinfer_core.transfer.copies.as_words`)."""
-    where = {e.name: b.data[e.offset : e.offset + e.nbytes] for b in buckets for e in b.manifest.entries}
-    return [_widest(where[name]) for name, _ in tensors]
+    """Each input tensor's place in the buckets (a view of its dtype and shape), in input order."""
+    from rlinfer_core.transfer.buckets import unpack_all
 
-
-def _widest(slot: torch.Tensor) -> torch.Tensor:
-    words = as_words(slot)
-    return slot if words is None else words
+    where = dict(unpack_all(buckets, check=False))
+    return [where[name] for name, _ in tensors]
 
 
 def _rechecked(bucket: Bucket) -> Bucket:

@@ -13,7 +13,6 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from rlinfer_core.errors import WeightUpdateError
-from rlinfer_core.transfer.copies import copy_all
 from rlinfer_core.weights import Bucket, BucketManifest, ManifestEntry
 
 if TYPE_CHECKING:
@@ -86,20 +85,24 @@ def pack(
     for dtype, chunks in groups.items():
         for chunk in chunks:
             target = torch.device(device) if device is not None else chunk[0][1].device
-            total = sum(t.numel() * t.element_size() for _, t in chunk)
-            data = torch.empty(total, dtype=torch.uint8, device=target)
-            entries, sources, slots = [], [], []
-            offset = 0
-            for name, tensor in chunk:
-                nbytes = tensor.numel() * tensor.element_size()
-                sources.append(tensor.detach())
-                slots.append(data[offset : offset + nbytes])
-                entries.append(ManifestEntry(name, dtype_name(dtype), tuple(tensor.shape), offset, nbytes))
-                offset += nbytes
-            copy_all(slots, sources)  # a few kernels for the whole bucket on a GPU
+            numels = [t.numel() for _, t in chunk]
+            itemsize = chunk[0][1].element_size()
+            data = torch.empty(sum(numels) * itemsize, dtype=torch.uint8, device=target)
+            # typed views of the buffer shaped like the tensors: one multi-tensor copy, and no
+            # per-tensor byte view of the sources (each view is a Python-level torch call)
+            slots = [
+                s.view(t.shape) for s, (_, t) in zip(data.view(dtype).split_with_sizes(numels), chunk, strict=True)
+            ]
+            with torch.no_grad():
+                torch._foreach_copy_(slots, [t for _, t in chunk])  # a few kernels for the whole bucket on a GPU
+            entries, offset = [], 0
+            name_of_dtype = dtype_name(dtype)
+            for (name, tensor), numel in zip(chunk, numels, strict=True):
+                entries.append(ManifestEntry(name, name_of_dtype, tuple(tensor.shape), offset, numel * itemsize))
+                offset += numel * itemsize
             use_checksum = (target.type == "cpu") if with_checksum is None else with_checksum
-            digest = checksum(data, total) if use_checksum else None
-            buckets.append(Bucket(BucketManifest(dtype_name(dtype), total, tuple(entries), digest), data))
+            digest = checksum(data, offset) if use_checksum else None
+            buckets.append(Bucket(BucketManifest(name_of_dtype, offset, tuple(entries), digest), data))
     return buckets
 
 
@@ -148,8 +151,17 @@ def unpack(bucket: Bucket, *, check: bool = True) -> list[tuple[str, torch.Tenso
     if check:
         verify(bucket)
     dtype = to_dtype(bucket.manifest.dtype)
+    entries = bucket.manifest.entries
+    itemsize = dtype.itemsize
+    ends = [e.offset + e.nbytes for e in entries]
+    back_to_back = [e.offset for e in entries] == [0, *ends[:-1]] and all(e.nbytes % itemsize == 0 for e in entries)
+    if entries and back_to_back and ends[-1] <= bucket.data.numel():
+        # back to back from the start (as pack writes them): one split of a typed view
+        typed = bucket.data[: ends[-1]].view(dtype)
+        parts = typed.split_with_sizes([e.nbytes // itemsize for e in entries])
+        return [(e.name, part.view(e.shape)) for e, part in zip(entries, parts, strict=True)]
     out = []
-    for e in bucket.manifest.entries:
+    for e in entries:
         raw = bucket.data[e.offset : e.offset + e.nbytes]
         out.append((e.name, raw.view(dtype).reshape(e.shape)))
     return out

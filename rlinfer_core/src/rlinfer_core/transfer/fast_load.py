@@ -5,7 +5,7 @@ An engine's ``load_weights`` walks the module tree in Python for every tensor an
 parameter's weight loader. Where a backend has verified that, for its engine and configuration,
 those loaders do nothing but copy each checkpoint tensor into a slice of a parameter, it describes
 the slices once (a :class:`SlicePlan`, built by an engine-specific function from the model) and
-loads every update with :class:`FastLoader`: one :func:`rlinfer_core.transfer.copies.copy_all`
+loads every update with :class:`FastLoader`: one ``torch._foreach_copy_``
 into the slices. An update is loaded fast only when *every* tensor has a slice on its device in its
 dtype and shape; otherwise nothing is written and the caller uses ``load_weights`` as before.
 
@@ -145,14 +145,12 @@ class FastLoader:
         return self._plan.get().views
 
     def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> bool:
-        """Copy every tensor into its slice with one :func:`~rlinfer_core.transfer.copies.copy_all`
+        """Copy every tensor into its slice with one ``torch._foreach_copy_``
         (and zero the rows the plan says ``load_weights`` zeroes with it) and return True, or write
         nothing and return False when some tensor has no slice on its device in its dtype and shape.
         Tensors that ``load_weights`` skips are skipped. The copies are asynchronous: the caller
         synchronizes the stream."""
         import torch
-
-        from rlinfer_core.transfer.copies import copy_all
 
         views, skipped, zeroed = self._plan.get()
         dests, srcs, pads = [], [], []
@@ -169,9 +167,9 @@ class FastLoader:
             pad = zeroed.get(name)
             if pad is not None:
                 pads.append(pad)
-        if dests:
-            copy_all(dests, srcs)
-        if pads:
-            with torch.no_grad():
+        with torch.no_grad():
+            if dests:
+                torch._foreach_copy_(dests, srcs, non_blocking=True)
+            if pads:
                 torch._foreach_zero_(pads)
         return True

@@ -85,6 +85,11 @@ class Transport(Protocol):
         """During a load: whether a request of this backend may be in the engine without its
         prompt prefilled (admitted under the old salt, it would prefill with the new weights)."""
 
+    async def settle_prefills(self, timeout_s: float) -> None:
+        """While the load gate holds new requests back and the engine still runs: wait until
+        :meth:`prefill_pending` is False or ``timeout_s`` passed (returns at once where the
+        transport cannot see prefills end)."""
+
     @property
     def multimodal(self) -> bool:
         """Whether the served model takes images (its encoder cache is reset with the prefix cache)."""

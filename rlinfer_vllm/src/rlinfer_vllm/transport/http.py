@@ -107,6 +107,9 @@ class HttpTransport:
         prefilled (each request's salt is read in the same step as it is counted in flight)."""
         return bool(self._inflight.ids)
 
+    async def settle_prefills(self, timeout_s: float) -> None:
+        """Returns at once: the server does not say when a request's prefill ended."""
+
     def _salt(self) -> str | None:
         """The salt of the version now labelled (:mod:`rlinfer_vllm.versions`), where the server salts."""
         return cache_salt(self._salt_nonce, self.version) if self.salted else None

@@ -93,6 +93,14 @@ class InProcessTransport(LoraAdapters, RawBaseline, Generation):
         complete once the scheduler is paused, :mod:`rlinfer_vllm.versions`)."""
         return self._versions is not None and self._versions.unstarted and not self._gate.idle
 
+    async def settle_prefills(self, timeout_s: float) -> None:
+        """Wait (polling the token counts, which the engine's outputs update on this event loop)
+        until every admitted sample has a token, or ``timeout_s``."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while self.prefill_pending() and asyncio.get_running_loop().time() < deadline:
+            self.check_alive()
+            await asyncio.sleep(0.001)
+
     @property
     def multimodal(self) -> bool:
         """Whether the served model takes images."""
