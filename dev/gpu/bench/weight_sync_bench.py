@@ -253,7 +253,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     update_times = UpdateTimes()
     worker_timings = WorkerTimings()
     logging.getLogger(f"rlinfer_{args.backend}").addHandler(worker_timings)
-    result["fast_load_env"] = os.environ.get("RLINFER_VLLM_FAST_LOAD")  # "0": the A/B baseline
+    result["fast_load_env"] = os.environ.get(f"RLINFER_{args.backend.upper()}_FAST_LOAD")  # "0": the A/B baseline
     result["reuse_ipc_env"] = os.environ.get("RLINFER_REUSE_IPC_BUFFERS")  # "0": packed fresh, mapped each time
     start_s, engine = timed(
         lambda: rl_engine.open_engine(args.backend, config, load_entry_point_plugins=False, plugins=[update_times])
@@ -396,7 +396,8 @@ def summary(result: dict[str, Any]) -> str:
     if "breakdown" in u:
         b = u["breakdown"]
         lines.append(
-            f"parts: validate {b['validate_s'] * 1e3:.1f} ms, pack for IPC {b['pack_for_ipc_s'] * 1e3:.1f} ms "
+            f"parts: validate {b['validate_s'] * 1e3:.1f} ms (specs only {b['validate_specs_s'] * 1e3:.1f} ms), "
+            f"pack for IPC {b['pack_for_ipc_s'] * 1e3:.1f} ms (value check incl. {b['pack_checked_s'] * 1e3:.1f} ms) "
             f"(into a reused arena {b['pack_into_arena_s'] * 1e3:.1f} ms), "
             f"backend + prefix reset {b['backend_s'] * 1e3:.1f} ms, "
             f"d2d copy floor {b['d2d_copy_floor_s'] * 1e3:.2f} ms ({b['d2d_copy_floor_gb_per_s']:.0f} GB/s)"
@@ -407,7 +408,7 @@ def summary(result: dict[str, Any]) -> str:
                 f"backend pack {worker.get('pack_ms', float('nan')):.2f} ms, "
                 f"worker: map {worker.get('map_ms', float('nan')):.2f} ms, load {worker['load_ms']:.2f} ms "
                 f"(fast load on {worker['fast_load_updates']}/{worker['updates']} updates; "
-                f"RLINFER_VLLM_FAST_LOAD={result.get('fast_load_env')}; "
+                f"RLINFER_{str(result.get('backend')).upper()}_FAST_LOAD={result.get('fast_load_env')}; "
                 f"buckets mapped before, per update: {worker['ipc_reused_buckets']}; "
                 f"RLINFER_REUSE_IPC_BUFFERS={result.get('reuse_ipc_env')})"
             )
