@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import pytest
 
 from rlinfer_conformance import trainer_side
@@ -184,7 +185,14 @@ def _truncated_bucket(w: KitWorld) -> Any:
 
 
 def _corrupt_bucket(w: KitWorld) -> Any:
-    buckets = list(w.source(Capability.WEIGHTS_BUCKETS, OTHER).buckets)  # type: ignore[union-attr]
+    """Buckets whose checksum no longer matches their bytes (checksums made here: buckets packed
+    on a GPU, as on the kit's CUDA trainer device, carry none by default)."""
+    from rlinfer_core.transfer.buckets import checksum
+
+    buckets = [
+        Bucket(attrs.evolve(b.manifest, checksum=checksum(b.data, b.manifest.nbytes)), b.data)
+        for b in w.source(Capability.WEIGHTS_BUCKETS, OTHER).buckets  # type: ignore[union-attr]
+    ]
     last = buckets[-1]
     data = last.data.clone()
     data[3] ^= 0x5A
