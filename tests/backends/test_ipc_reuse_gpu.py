@@ -17,10 +17,10 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a CUDA GPU")
 
 #: per backend: the engine's open arguments besides the model (SGLang: triton attention, the GPU
-#: bundle of docs/gpu.md leaves its FA3 kernels out)
+#: bundle of docs/gpu.md leaves its FA3 kernels out; bfloat16, its CUDA RMSNorm has no float32)
 OPEN_ARGS: dict[str, dict[str, Any]] = {
-    "vllm": {"gpu_memory_utilization": 0.3},
-    "sglang": {"engine_kwargs": {"attention_backend": "triton"}},
+    "vllm": {"dtype": "float32", "gpu_memory_utilization": 0.3},
+    "sglang": {"dtype": "bfloat16", "engine_kwargs": {"attention_backend": "triton"}},
 }
 
 
@@ -44,8 +44,9 @@ def test_later_cuda_updates_map_no_new_buffer(
 
     monkeypatch.setenv(REUSE_ENV, "1")  # reuse is opt-in
     model = make_tiny_model(tmp_path / "model", seed=0)
-    base = [(name, t.to("cuda")) for name, t in read_tensors(model)]
-    engine = Engine.open(backend, model=str(model), dtype="float32", device="cuda", **OPEN_ARGS[backend])
+    dtype = getattr(torch, OPEN_ARGS[backend]["dtype"])
+    base = [(name, t.to("cuda", dtype=dtype)) for name, t in read_tensors(model)]
+    engine = Engine.open(backend, model=str(model), device="cuda", **OPEN_ARGS[backend])
     try:
         caplog.set_level(logging.DEBUG, logger=f"rlinfer_{backend}")
         for step in range(3):
