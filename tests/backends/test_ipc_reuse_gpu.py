@@ -24,16 +24,26 @@ OPEN_ARGS: dict[str, dict[str, Any]] = {
 }
 
 
-def reused_per_update(caplog: pytest.LogCaptureFixture) -> list[Any]:
-    """``ipc_reused`` of each update's debug line (the backend's dict of engine-side timings)."""
-    rows = [a for r in caplog.records if isinstance(r.args, tuple) for a in r.args if isinstance(a, dict)]
-    return [row["ipc_reused"] for row in rows if "ipc_reused" in row]
+class EngineTimings(logging.Handler):
+    """The dicts of engine-side timings the backend logs at debug level with every update (a
+    handler of our own: an engine may reconfigure the root logger that pytest's capture uses)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.rows: list[dict[str, Any]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        """Keep the record's dict arguments."""
+        args = record.args if isinstance(record.args, tuple) else ()
+        self.rows.extend(a for a in args if isinstance(a, dict))
+
+    def reused_per_update(self) -> list[Any]:
+        """``ipc_reused`` of each update's line."""
+        return [row["ipc_reused"] for row in self.rows if "ipc_reused" in row]
 
 
 @pytest.mark.parametrize("backend", sorted(OPEN_ARGS))
-def test_later_cuda_updates_map_no_new_buffer(
-    backend: str, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_later_cuda_updates_map_no_new_buffer(backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     if importlib.util.find_spec(backend) is None:
         pytest.skip(f"{backend} is not installed in this environment")
     from rlinfer_core.engine import Engine
@@ -47,9 +57,11 @@ def test_later_cuda_updates_map_no_new_buffer(
     model = make_tiny_model(tmp_path / "model", seed=0)
     dtype = getattr(torch, OPEN_ARGS[backend]["dtype"])
     base = [(name, t.to("cuda", dtype=dtype)) for name, t in read_tensors(model)]
+    timings, logger = EngineTimings(), logging.getLogger(f"rlinfer_{backend}")
     engine = Engine.open(backend, model=str(model), device="cuda", **OPEN_ARGS[backend])
+    logger.addHandler(timings)
+    level, logger.level = logger.level, logging.DEBUG
     try:
-        caplog.set_level(logging.DEBUG, logger=f"rlinfer_{backend}")
         checksums = engine.capabilities.supports(Capability.WEIGHTS_CHECKSUM)
         served: list[tuple[float, ...]] = []
         for step in range(3):
@@ -63,9 +75,11 @@ def test_later_cuda_updates_map_no_new_buffer(
                 )
                 served.append(engine.generate([request])[0].logprobs)
         assert len(set(served)) == len(served), served
-        reused = reused_per_update(caplog)
+        reused = timings.reused_per_update()
         assert len(reused) == 3, reused
         assert reused[0] == 0  # the first update of a layout maps its buffers
         assert reused[1] == reused[2] > 0, reused  # later ones map nothing new
     finally:
+        logger.removeHandler(timings)
+        logger.setLevel(level)
         engine.shutdown()
