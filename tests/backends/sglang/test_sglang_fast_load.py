@@ -19,12 +19,26 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from causal_lm_layout import (  # noqa: E402
+    FUSED,
+    HEAD,
+    HIDDEN,
+    INTER,
+    KV,
+    ROWS,
+    VOCAB,
+    Q,
+    assert_same_params,
+    checkpoint_shapes,
+    random_update,
+    snapshot,
+)
+
 from rlinfer_core.transfer.fast_load import FastLoader  # noqa: E402
 from rlinfer_sglang.scheduler import fast_load  # noqa: E402
 from rlinfer_sglang.scheduler.fast_load import ineligible_reason, parameter_views  # noqa: E402
 
-HIDDEN, HEADS_Q, HEADS_KV, HEAD, INTER, VOCAB, PADDED = 8, 4, 2, 2, 12, 10, 64
-Q, KV = HEADS_Q * HEAD, HEADS_KV * HEAD
+PADDED = 64  # the vocabulary rows of the engine's embedding (VOCAB in the checkpoint)
 
 
 def _param(*shape: int, fill: float = 0.0) -> Any:
@@ -86,36 +100,6 @@ class CausalLMDouble(torch.nn.Module):
         self.config = SimpleNamespace(tie_word_embeddings=tied)
 
 
-def checkpoint_shapes(tied: bool) -> dict[str, tuple[int, ...]]:
-    """HF names and shapes of the double's checkpoint."""
-    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (VOCAB, HIDDEN), "model.norm.weight": (HIDDEN,)}
-    for i in range(2):
-        p = f"model.layers.{i}"
-        out |= {
-            f"{p}.self_attn.q_proj.weight": (Q, HIDDEN),
-            f"{p}.self_attn.k_proj.weight": (KV, HIDDEN),
-            f"{p}.self_attn.v_proj.weight": (KV, HIDDEN),
-            f"{p}.self_attn.q_proj.bias": (Q,),
-            f"{p}.self_attn.k_proj.bias": (KV,),
-            f"{p}.self_attn.v_proj.bias": (KV,),
-            f"{p}.self_attn.o_proj.weight": (HIDDEN, Q),
-            f"{p}.mlp.gate_proj.weight": (INTER, HIDDEN),
-            f"{p}.mlp.up_proj.weight": (INTER, HIDDEN),
-            f"{p}.mlp.down_proj.weight": (HIDDEN, INTER),
-            f"{p}.input_layernorm.weight": (HIDDEN,),
-        }
-    if not tied:
-        out["lm_head.weight"] = (VOCAB, HIDDEN)
-    return out
-
-
-#: rows of each part in its fused parameter, as SGLang's weight loaders place them at TP 1
-ROWS = {"q_proj": (0, Q), "k_proj": (Q, Q + KV), "v_proj": (Q + KV, Q + 2 * KV), "gate_proj": (0, INTER)}
-ROWS["up_proj"] = (INTER, 2 * INTER)
-FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj"}
-FUSED["up_proj"] = "gate_up_proj"
-
-
 def reference_load(model: Any, name: str, tensor: Any) -> None:
     """What SGLang's load_weights does with one checkpoint tensor (TP 1, unquantized, CUDA)."""
     path, _, attr = name.rpartition(".")
@@ -131,22 +115,6 @@ def reference_load(model: Any, name: str, tensor: Any) -> None:
         weight[VOCAB:].fill_(0)
     else:
         getattr(model.get_submodule(path), attr).data.copy_(tensor)
-
-
-def random_update(shapes: dict[str, tuple[int, ...]], seed: int) -> list[tuple[str, Any]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [(name, torch.randn(shape, generator=gen)) for name, shape in shapes.items()]
-
-
-def snapshot(model: Any) -> dict[str, Any]:
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
-
-
-def assert_same_params(a: Any, b: Any) -> None:
-    mine, theirs = snapshot(a), snapshot(b)
-    assert mine.keys() == theirs.keys()
-    for name in mine:
-        assert torch.equal(mine[name], theirs[name]), name
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -24,11 +24,26 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from causal_lm_layout import (  # noqa: E402
+    FUSED,
+    HEAD,
+    HIDDEN,
+    INTER,
+    KV,
+    ROWS,
+    VOCAB,
+    Q,
+    assert_same_params,
+    assert_unchanged,
+    checkpoint_shapes,
+    random_update,
+    snapshot,
+)
+
 from rlinfer_vllm.worker import fast_load  # noqa: E402
 from rlinfer_vllm.worker.fast_load import fast_loader, ineligible_reason, parameter_views  # noqa: E402
 
-HIDDEN, HEADS_Q, HEADS_KV, HEAD, INTER, VOCAB, PADDED = 8, 4, 2, 2, 12, 10, 16
-Q, KV = HEADS_Q * HEAD, HEADS_KV * HEAD
+PADDED = 16  # the vocabulary rows of the engine's embedding (VOCAB in the checkpoint)
 
 
 def _param(*shape: int) -> Any:
@@ -85,38 +100,8 @@ class CausalLMDouble(torch.nn.Module):
         self.config = SimpleNamespace(tie_word_embeddings=tied)
 
 
-def checkpoint_shapes(tied: bool) -> dict[str, tuple[int, ...]]:
-    """HF names and shapes of the double's checkpoint."""
-    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (VOCAB, HIDDEN), "model.norm.weight": (HIDDEN,)}
-    for i in range(2):
-        p = f"model.layers.{i}"
-        out |= {
-            f"{p}.self_attn.q_proj.weight": (Q, HIDDEN),
-            f"{p}.self_attn.k_proj.weight": (KV, HIDDEN),
-            f"{p}.self_attn.v_proj.weight": (KV, HIDDEN),
-            f"{p}.self_attn.q_proj.bias": (Q,),
-            f"{p}.self_attn.k_proj.bias": (KV,),
-            f"{p}.self_attn.v_proj.bias": (KV,),
-            f"{p}.self_attn.o_proj.weight": (HIDDEN, Q),
-            f"{p}.mlp.gate_proj.weight": (INTER, HIDDEN),
-            f"{p}.mlp.up_proj.weight": (INTER, HIDDEN),
-            f"{p}.mlp.down_proj.weight": (HIDDEN, INTER),
-            f"{p}.input_layernorm.weight": (HIDDEN,),
-        }
-    if not tied:
-        out["lm_head.weight"] = (VOCAB, HIDDEN)
-    return out
-
-
 def specs_of(shapes: dict[str, tuple[int, ...]], dtype: Any = None) -> dict[str, tuple[Any, tuple[int, ...]]]:
     return {name: (dtype or torch.float32, shape) for name, shape in shapes.items()}
-
-
-#: rows of each part in its fused parameter, as vLLM's weight loaders place them
-ROWS = {"q_proj": (0, Q), "k_proj": (Q, Q + KV), "v_proj": (Q + KV, Q + 2 * KV), "gate_proj": (0, INTER)}
-ROWS["up_proj"] = (INTER, 2 * INTER)
-FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj"}
-FUSED["up_proj"] = "gate_up_proj"
 
 
 def reference_load(model: Any, name: str, tensor: Any) -> None:
@@ -134,26 +119,6 @@ def reference_load(model: Any, name: str, tensor: Any) -> None:
         weight[VOCAB:].fill_(0)
     else:
         getattr(model.get_submodule(path), attr).data.copy_(tensor)
-
-
-def random_update(shapes: dict[str, tuple[int, ...]], seed: int) -> list[tuple[str, Any]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [(name, torch.randn(shape, generator=gen)) for name, shape in shapes.items()]
-
-
-def snapshot(model: Any) -> dict[str, Any]:
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
-
-
-def assert_unchanged(model: Any, before: dict[str, Any]) -> None:
-    now = snapshot(model)
-    assert now.keys() == before.keys()
-    for name in now:
-        assert torch.equal(now[name], before[name]), name
-
-
-def assert_same_params(a: Any, b: Any) -> None:
-    assert_unchanged(a, snapshot(b))
 
 
 @pytest.mark.parametrize("tied", [False, True])
