@@ -4,7 +4,8 @@ found, the batched copy against SGLang's weight loaders, the eligibility decisio
 The unit tests run on CPU over ``CausalLMDouble``, a small torch module built here with the layout
 SGLang's CUDA layers give Llama/Qwen2 at TP 1 (``qkv_proj``/``gate_up_proj`` with ``output_sizes``,
 an embedding and head padded past ``org_vocab_size``, a tied head that is the embedding module, a
-rotary buffer). Its oracle, :func:`reference_load`, writes each checkpoint tensor the way SGLang's
+rotary buffer; layers and layout from ``causal_lm_layout``). Its oracle, ``causal_lm_layout.reference_load``,
+writes each checkpoint tensor the way SGLang's
 weight loaders do (``QKVParallelLinear``/``MergedColumnParallelLinear.weight_loader`` rows,
 ``VocabParallelEmbedding.weight_loader``'s copy and zero-filled padding), from offsets spelled out
 by hand. That the real engine on CPU keeps ``load_weights`` is tested in test_sglang_weights.py.
@@ -20,17 +21,18 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from causal_lm_layout import (  # noqa: E402
-    FUSED,
     HEAD,
     HIDDEN,
     INTER,
     KV,
-    ROWS,
     VOCAB,
-    Q,
+    LayerDouble,
+    PlainDouble,
     assert_same_params,
     checkpoint_shapes,
+    param,
     random_update,
+    reference_load,
     snapshot,
 )
 
@@ -41,28 +43,6 @@ from rlinfer_sglang.scheduler.fast_load import ineligible_reason, parameter_view
 PADDED = 64  # the vocabulary rows of the engine's embedding (VOCAB in the checkpoint)
 
 
-def _param(*shape: int, fill: float = 0.0) -> Any:
-    return torch.nn.Parameter(torch.full(shape, fill), requires_grad=False)
-
-
-class FusedLinearDouble(torch.nn.Module):
-    """Stands in for QKVParallelLinear / MergedColumnParallelLinear: one weight, parts by rows."""
-
-    def __init__(self, output_sizes: list[int], cols: int, bias: bool = False) -> None:
-        super().__init__()
-        self.output_sizes = output_sizes
-        self.weight = _param(sum(output_sizes), cols)
-        self.bias = _param(sum(output_sizes)) if bias else None
-
-
-class PlainDouble(torch.nn.Module):
-    """Stands in for RowParallelLinear and RMSNorm."""
-
-    def __init__(self, *shape: int) -> None:
-        super().__init__()
-        self.weight = _param(*shape)
-
-
 class VocabDouble(torch.nn.Module):
     """Stands in for VocabParallelEmbedding / ParallelLMHead: padded rows past ``org_vocab_size``
     (non-zero here, as after a dummy load, so that the zero-filling is seen)."""
@@ -70,21 +50,7 @@ class VocabDouble(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.org_vocab_size = VOCAB
-        self.weight = _param(PADDED, HIDDEN, fill=0.5)
-
-
-class LayerDouble(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.self_attn = torch.nn.Module()
-        self.self_attn.qkv_proj = FusedLinearDouble([Q, KV, KV], HIDDEN, bias=True)
-        self.self_attn.o_proj = PlainDouble(HIDDEN, Q)
-        self.self_attn.rotary_emb = torch.nn.Module()
-        self.self_attn.rotary_emb.register_buffer("cos_sin_cache", torch.ones(4, HEAD))
-        self.mlp = torch.nn.Module()
-        self.mlp.gate_up_proj = FusedLinearDouble([INTER, INTER], HIDDEN)
-        self.mlp.down_proj = PlainDouble(HIDDEN, INTER)
-        self.input_layernorm = PlainDouble(HIDDEN)
+        self.weight = param(PADDED, HIDDEN, fill=0.5)
 
 
 class CausalLMDouble(torch.nn.Module):
@@ -94,27 +60,12 @@ class CausalLMDouble(torch.nn.Module):
         super().__init__()
         self.model = torch.nn.Module()
         self.model.embed_tokens = VocabDouble()
-        self.model.layers = torch.nn.ModuleList([LayerDouble(), LayerDouble()])
+        self.model.layers = torch.nn.ModuleList(
+            [LayerDouble(("cos_sin_cache", torch.ones(4, HEAD))), LayerDouble(("cos_sin_cache", torch.ones(4, HEAD)))]
+        )
         self.model.norm = PlainDouble(HIDDEN)
         self.lm_head = self.model.embed_tokens if tied else VocabDouble()
         self.config = SimpleNamespace(tie_word_embeddings=tied)
-
-
-def reference_load(model: Any, name: str, tensor: Any) -> None:
-    """What SGLang's load_weights does with one checkpoint tensor (TP 1, unquantized, CUDA)."""
-    path, _, attr = name.rpartition(".")
-    parent, _, leaf = path.rpartition(".")
-    if name == "lm_head.weight" and model.config.tie_word_embeddings:
-        return  # Llama skips it; Qwen2/3 find no such parameter
-    if leaf in FUSED:
-        start, stop = ROWS[leaf]
-        getattr(model.get_submodule(f"{parent}.{FUSED[leaf]}"), attr).data[start:stop].copy_(tensor)
-    elif leaf in ("embed_tokens", "lm_head"):
-        weight = model.get_submodule(path).weight.data
-        weight[:VOCAB].copy_(tensor)
-        weight[VOCAB:].fill_(0)
-    else:
-        getattr(model.get_submodule(path), attr).data.copy_(tensor)
 
 
 @pytest.mark.parametrize("tied", [False, True])

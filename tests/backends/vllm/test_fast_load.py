@@ -5,7 +5,8 @@ tests/core/test_fast_load.py).
 The unit tests run on CPU over ``CausalLMDouble``, a small torch module built here that has the
 layout vLLM's CUDA layers give Qwen2/Llama (fused ``qkv_proj``/``gate_up_proj`` with
 ``output_sizes``, a vocabulary padded past the checkpoint's, a tied head that is the embedding's
-module, a rotary buffer). Its oracle, :func:`reference_load`, writes each checkpoint tensor the way
+module, a rotary buffer; its layers and layout from ``causal_lm_layout``). Its oracle,
+``causal_lm_layout.reference_load``, writes each checkpoint tensor the way
 vLLM's weight loaders do, from offsets spelled out by hand (not via served.py).
 
 The last test runs the real vLLM engine on CPU, where the fast path must not apply (the kernels
@@ -25,18 +26,19 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from causal_lm_layout import (  # noqa: E402
-    FUSED,
     HEAD,
     HIDDEN,
     INTER,
     KV,
-    ROWS,
     VOCAB,
+    LayerDouble,
+    PlainDouble,
     Q,
     assert_same_params,
     assert_unchanged,
     checkpoint_shapes,
     random_update,
+    reference_load,
     snapshot,
 )
 
@@ -44,42 +46,6 @@ from rlinfer_vllm.worker import fast_load  # noqa: E402
 from rlinfer_vllm.worker.fast_load import fast_loader, ineligible_reason, parameter_views  # noqa: E402
 
 PADDED = 16  # the vocabulary rows of the engine's embedding (VOCAB in the checkpoint)
-
-
-def _param(*shape: int) -> Any:
-    return torch.nn.Parameter(torch.zeros(*shape), requires_grad=False)
-
-
-class FusedLinearDouble(torch.nn.Module):
-    """Stands in for QKVParallelLinear / MergedColumnParallelLinear: one weight, parts by rows."""
-
-    def __init__(self, output_sizes: list[int], cols: int, bias: bool = False) -> None:
-        super().__init__()
-        self.output_sizes = output_sizes
-        self.weight = _param(sum(output_sizes), cols)
-        self.bias = _param(sum(output_sizes)) if bias else None
-
-
-class PlainDouble(torch.nn.Module):
-    """Stands in for RowParallelLinear, RMSNorm and VocabParallelEmbedding (a padded vocabulary)."""
-
-    def __init__(self, *shape: int) -> None:
-        super().__init__()
-        self.weight = _param(*shape)
-
-
-class LayerDouble(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.self_attn = torch.nn.Module()
-        self.self_attn.qkv_proj = FusedLinearDouble([Q, KV, KV], HIDDEN, bias=True)
-        self.self_attn.o_proj = PlainDouble(HIDDEN, Q)
-        self.self_attn.rotary_emb = torch.nn.Module()
-        self.self_attn.rotary_emb.register_buffer("inv_freq", torch.ones(HEAD // 2))
-        self.mlp = torch.nn.Module()
-        self.mlp.gate_up_proj = FusedLinearDouble([INTER, INTER], HIDDEN)
-        self.mlp.down_proj = PlainDouble(HIDDEN, INTER)
-        self.input_layernorm = PlainDouble(HIDDEN)
 
 
 class CausalLMDouble(torch.nn.Module):
@@ -94,7 +60,9 @@ class CausalLMDouble(torch.nn.Module):
         super().__init__()
         self.model = torch.nn.Module()
         self.model.embed_tokens = PlainDouble(PADDED, HIDDEN)
-        self.model.layers = torch.nn.ModuleList([LayerDouble(), LayerDouble()])
+        self.model.layers = torch.nn.ModuleList(
+            [LayerDouble(("inv_freq", torch.ones(HEAD // 2))), LayerDouble(("inv_freq", torch.ones(HEAD // 2)))]
+        )
         self.model.norm = PlainDouble(HIDDEN)
         self.lm_head = self.model.embed_tokens if tied else PlainDouble(PADDED, HIDDEN)
         self.config = SimpleNamespace(tie_word_embeddings=tied)
@@ -102,23 +70,6 @@ class CausalLMDouble(torch.nn.Module):
 
 def specs_of(shapes: dict[str, tuple[int, ...]], dtype: Any = None) -> dict[str, tuple[Any, tuple[int, ...]]]:
     return {name: (dtype or torch.float32, shape) for name, shape in shapes.items()}
-
-
-def reference_load(model: Any, name: str, tensor: Any) -> None:
-    """What vLLM's weight loaders do with one checkpoint tensor (TP 1, unquantized, CUDA)."""
-    path, _, attr = name.rpartition(".")
-    parent, _, leaf = path.rpartition(".")
-    if name == "lm_head.weight" and model.lm_head is model.model.embed_tokens:
-        return  # load_weights skips lm_head.* for a tied model
-    if leaf in FUSED:
-        start, stop = ROWS[leaf]
-        getattr(model.get_submodule(f"{parent}.{FUSED[leaf]}"), attr).data[start:stop].copy_(tensor)
-    elif leaf in ("embed_tokens", "lm_head"):
-        weight = model.get_submodule(path).weight.data
-        weight[:VOCAB].copy_(tensor)
-        weight[VOCAB:].fill_(0)
-    else:
-        getattr(model.get_submodule(path), attr).data.copy_(tensor)
 
 
 @pytest.mark.parametrize("tied", [False, True])

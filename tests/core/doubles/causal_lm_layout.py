@@ -1,7 +1,8 @@
 """The checkpoint layout both engines' fast-load tests build their model doubles for: a two-layer
 Llama/Qwen2-shaped causal LM (q/k/v with biases, gate/up, a vocabulary of ``VOCAB`` rows), the rows
 each checkpoint part takes in its fused parameter at tensor-parallel size 1 (vLLM's and SGLang's
-weight loaders place them the same way), and parameter snapshots to compare loads with."""
+weight loaders place them the same way), the layer doubles both engines' modules look like, and
+parameter snapshots to compare loads with."""
 
 from __future__ import annotations
 
@@ -18,6 +19,46 @@ ROWS["up_proj"] = (INTER, 2 * INTER)
 #: the fused parameter's module name of each part
 FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj"}
 FUSED["up_proj"] = "gate_up_proj"
+
+
+def param(*shape: int, fill: float = 0.0) -> Any:
+    """A frozen parameter of ``shape`` filled with ``fill``."""
+    return torch.nn.Parameter(torch.full(shape, fill), requires_grad=False)
+
+
+class FusedLinearDouble(torch.nn.Module):
+    """Stands in for QKVParallelLinear / MergedColumnParallelLinear: one weight, parts by rows."""
+
+    def __init__(self, output_sizes: list[int], cols: int, bias: bool = False) -> None:
+        super().__init__()
+        self.output_sizes = output_sizes
+        self.weight = param(sum(output_sizes), cols)
+        self.bias = param(sum(output_sizes)) if bias else None
+
+
+class PlainDouble(torch.nn.Module):
+    """Stands in for RowParallelLinear and RMSNorm (and, in vLLM's test, a padded embedding)."""
+
+    def __init__(self, *shape: int) -> None:
+        super().__init__()
+        self.weight = param(*shape)
+
+
+class LayerDouble(torch.nn.Module):
+    """One decoder layer with the engines' fused modules; ``rotary``: the name and value of the
+    rotary embedding's buffer (a buffer, never loaded)."""
+
+    def __init__(self, rotary: tuple[str, Any]) -> None:
+        super().__init__()
+        self.self_attn = torch.nn.Module()
+        self.self_attn.qkv_proj = FusedLinearDouble([Q, KV, KV], HIDDEN, bias=True)
+        self.self_attn.o_proj = PlainDouble(HIDDEN, Q)
+        self.self_attn.rotary_emb = torch.nn.Module()
+        self.self_attn.rotary_emb.register_buffer(*rotary)
+        self.mlp = torch.nn.Module()
+        self.mlp.gate_up_proj = FusedLinearDouble([INTER, INTER], HIDDEN)
+        self.mlp.down_proj = PlainDouble(HIDDEN, INTER)
+        self.input_layernorm = PlainDouble(HIDDEN)
 
 
 def checkpoint_shapes(tied: bool) -> dict[str, tuple[int, ...]]:
@@ -41,6 +82,26 @@ def checkpoint_shapes(tied: bool) -> dict[str, tuple[int, ...]]:
     if not tied:
         out["lm_head.weight"] = (VOCAB, HIDDEN)
     return out
+
+
+def reference_load(model: Any, name: str, tensor: Any) -> None:
+    """The test oracle: what vLLM's and SGLang's weight loaders do with one checkpoint tensor (TP 1,
+    unquantized, CUDA), from offsets spelled out by hand: a fused part into its rows, the vocabulary
+    into its first ``VOCAB`` rows with the padding rows zeroed, the head of a tied model skipped
+    (vLLM's ``skip_prefixes``, SGLang's Llama; Qwen2/3 find no such parameter), the rest whole."""
+    path, _, attr = name.rpartition(".")
+    parent, _, leaf = path.rpartition(".")
+    if name == "lm_head.weight" and model.config.tie_word_embeddings:
+        return
+    if leaf in FUSED:
+        start, stop = ROWS[leaf]
+        getattr(model.get_submodule(f"{parent}.{FUSED[leaf]}"), attr).data[start:stop].copy_(tensor)
+    elif leaf in ("embed_tokens", "lm_head"):
+        weight = model.get_submodule(path).weight.data
+        weight[:VOCAB].copy_(tensor)
+        weight[VOCAB:].fill_(0)
+    else:
+        getattr(model.get_submodule(path), attr).data.copy_(tensor)
 
 
 def random_update(shapes: dict[str, tuple[int, ...]], seed: int) -> list[tuple[str, Any]]:
