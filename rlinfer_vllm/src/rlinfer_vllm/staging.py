@@ -6,8 +6,8 @@ Staging sends a part of the update over the transports of an update
 (:func:`rlinfer_vllm.weights.send_source`: shared memory / CUDA IPC, buckets, a directory) into
 ``rlinfer_stage_<transport>`` instead of ``rlinfer_load_<transport>``, without pausing the
 scheduler: vLLM runs the call between engine steps and requests keep generating on the live
-weights. Commit is an update's load (scheduler paused "keep", version switched before it
-resumes), from the staged tensors.
+weights. Commit is an update's load (:meth:`rlinfer_vllm.weights.WeightHooks._loading`: between two engine
+steps, the version switched at that boundary), from the staged tensors.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class StagingHooks:
 
         def _alive(self) -> Transport: ...
 
-        def _paused_for_load(self, new_version: bool) -> contextlib.AbstractAsyncContextManager[Transport]: ...
+        def _loading(self, version: int | None) -> contextlib.AbstractAsyncContextManager[Rpc]: ...
 
     @hookimpl
     async def rlinfer_stage_weights(self, staging_id: str, update: WeightUpdate) -> None:
@@ -75,9 +75,8 @@ class StagingHooks:
     async def rlinfer_commit_staged_weights(self, staging_id: str, version: int) -> None:
         """Load the staged tensors while the scheduler is paused; tokens after it are ``version``."""
         with failures_typed("load the staged update"):
-            async with self._paused_for_load(True) as transport:
-                worker = await transport.rpc("rlinfer_commit_staged", staging_id)
-                await transport.label_version(version)
+            async with self._loading(version) as rpc:
+                worker = await rpc("rlinfer_commit_staged", staging_id)
         logger.debug("committed %s: %s", staging_id, worker)
 
     @hookimpl

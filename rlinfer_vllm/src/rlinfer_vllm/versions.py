@@ -9,7 +9,10 @@ point* and stamps them with the version then live.
 A weight update is loaded while vLLM's scheduler is paused (the caller's ``pause(keep)``, or a
 pause in "keep" mode that the backend takes around the load itself): vLLM answers the pause only
 once no step is in flight and every earlier step's outputs went out. So every token counted before
-the version switch was computed by the old weights, and every token after it by the new ones.
+the version switch was computed by the old weights, and every token after it by the new ones. A
+load the engine core runs at its own step boundary (:mod:`rlinfer_vllm.engine_core.step_boundary`)
+switches where its reply comes in (:meth:`TokenVersions.switch_on`), which the engine core sends
+between the last old and the first new step's outputs.
 
 Prefix-cache salt: every request reaches vLLM with a ``cache_salt`` naming the version live when
 it was admitted (:func:`cache_salt`, taken by :meth:`TokenVersions.admit` in the same step as the
@@ -21,7 +24,9 @@ prefill with the new weights under the old salt): :attr:`TokenVersions.unstarted
 
 from __future__ import annotations
 
+import asyncio
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 #: (the caller's request id, sample index)
@@ -51,11 +56,14 @@ class TokenVersions:
         self._states = llm.output_processor.request_states
         self._runs: dict[Key, list[list[int]]] = {}
         self._taken: dict[Key, int] = {}
+        #: a load's reply, the version it starts, and whether a reply says the load took
+        self._switch: tuple[asyncio.Future[Any], int, Callable[[Any], bool]] | None = None
         queue = llm.engine_core.outputs_queue
         put = queue.put_nowait
 
         def counting_put(item: Any) -> None:
             if not isinstance(item, BaseException):
+                self._switch_if_answered()
                 self._count(item)
             put(item)
 
@@ -80,6 +88,25 @@ class TokenVersions:
                 runs[-1][1] += n
             else:
                 runs.append([self.version, n])
+
+    def switch_on(self, reply: asyncio.Future[Any], version: int, took: Callable[[Any], bool]) -> None:
+        """Switch to ``version`` where ``reply`` (a utility call's future) is answered, if
+        ``took(result)``: the engine core sends the reply after the outputs of the steps before the
+        load and before those of the steps after, and the client's output task resolves it in
+        that order, so the first outputs counted after it is done are the new version's."""
+        self._switch = (reply, version, took)
+
+    def _switch_if_answered(self) -> None:
+        if self._switch is None or not self._switch[0].done():
+            return
+        reply, version, took = self._switch
+        self._switch = None
+        if not reply.cancelled() and reply.exception() is None and took(reply.result()):
+            self.version = version
+
+    def settle_switch(self) -> None:
+        """After the reply was awaited: switch now if no output came after it."""
+        self._switch_if_answered()
 
     def admit(self, request_id: str, n: int) -> str:
         """The salt of a request the load gate admits now with ``n`` samples (the live version),

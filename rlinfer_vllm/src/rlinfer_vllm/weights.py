@@ -2,15 +2,17 @@
 updates over every transport, checksums, the broadcast group, for both flavours. Loading happens
 in the worker (:mod:`rlinfer_vllm.worker`), reached by the transport's ``rpc``.
 
-The load runs while the scheduler is paused ("keep": the caller's pause, or one taken here), and
-the engine's version label switches before it resumes: every token computed after the load
-carries the new version (:mod:`rlinfer_vllm.versions`, :mod:`rlinfer_vllm.transport.stream_versions`).
+No engine step overlaps a load (the caller's pause, a load at the engine core's step boundary,
+or a pause in "keep" mode taken here: :meth:`WeightHooks._loading`), and the engine's version
+label switches between the last step before it and the first after: every token computed after
+the load carries the new version (:mod:`rlinfer_vllm.versions`, :mod:`rlinfer_vllm.transport.stream_versions`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import pickle
 import time
@@ -95,31 +97,43 @@ class WeightHooks:
     checks_cuda_tensor_values = True
 
     @contextlib.asynccontextmanager
-    async def _paused_for_load(self, new_version: bool) -> AsyncIterator[Transport]:
-        """Hold the scheduler paused (the caller's pause, or one in "keep" mode taken here) while
-        weights load, so that no engine step overlaps the load: the boundary between old- and
-        new-version tokens is exact. KV caches are kept. With none of our requests in the engine
-        (a gated transport), holding new ones back does the same without the two round trips of
-        a pause (:mod:`rlinfer_vllm.load_gate`). ``new_version``: the load labels a new version."""
+    async def _loading(self, version: int | None) -> AsyncIterator[Rpc]:
+        """The ``rpc`` to load an update with, and what surrounds it: no engine step overlaps the
+        load, so the boundary between old- and new-version tokens is exact, and the outputs of
+        every step after it are labelled ``version`` (None: a load that starts no new version).
+        KV caches are kept. Cheapest first:
+
+        - the caller's pause holds the scheduler, or none of our requests is in the engine (a
+          gated transport: holding new ones back is enough, :mod:`rlinfer_vllm.load_gate`): the
+          worker call as it is;
+        - the engine core loads between two of its steps (in process,
+          :mod:`rlinfer_vllm.engine_core.step_boundary`): one call, no round trip between
+          pause, load and resume;
+        - else the scheduler is paused in "keep" mode around the load (three round trips).
+        """
         transport = self._alive()
         async with self._pause_lock, self._gate.held() as idle:
             if self._user_pause is not None or (idle and transport.gated):
-                yield transport
-                await self._after_load(transport, new_version)
+                yield transport.rpc
+                await self._after_load(transport, version)
                 return
-            if new_version and transport.salted:
+            if version is not None and transport.salted:
                 # generation goes on meanwhile; a request still prefilling under the old salt
-                # would make _after_load reset the cache, preempting every running request
+                # would make the load reset the cache, preempting every running request
                 await transport.settle_prefills(PREFILL_SETTLE_S)
+            if version is not None and transport.loads_at_step_boundary:
+                yield functools.partial(transport.rpc_at_step_boundary, version=version)
+                return
             await transport.pause_for_load()
             try:
-                yield transport
-                await self._after_load(transport, new_version)  # before any step runs again
+                yield transport.rpc
+                await self._after_load(transport, version)  # before any step runs again
             finally:
                 await transport.resume_after_load()
 
-    async def _after_load(self, transport: Transport, new_version: bool) -> None:
-        """Leave no prefix computed by the old weights to a request of the new version.
+    async def _after_load(self, transport: Transport, version: int | None) -> None:
+        """Label later outputs ``version``, and leave no prefix computed by the old weights to a
+        request of the new version.
 
         Salted requests (:mod:`rlinfer_vllm.versions`) need no prefix-cache reset: the new
         version's salt reaches none of the old blocks, and running requests keep their KV. Unless
@@ -127,7 +141,9 @@ class WeightHooks:
         the new weights and could read old blocks): then, as on a transport that cannot salt,
         vLLM's cache is reset (running requests recomputed if they hold blocks). Image embeddings
         are keyed by the image alone, so the encoder cache is always dropped."""
-        if transport.salted and new_version and not transport.prefill_pending():
+        if version is not None:
+            await transport.label_version(version)
+        if transport.salted and version is not None and not transport.prefill_pending():
             logger.debug("weight update: prefix cache kept (requests are salted by version)")
             if transport.multimodal:
                 await transport.reset_encoder_cache()
@@ -148,12 +164,9 @@ class WeightHooks:
             started = time.perf_counter()
             prepared = await prepare_source(update.source, engine_gpus(self.config), self._ipc_arena)
             pack_s = time.perf_counter() - started
-            async with self._paused_for_load(update.version is not None) as transport:
+            async with self._loading(update.version) as rpc:
                 with self._ipc_arena.sending():
-                    worker = await send_source(update.source, prepared, transport.rpc)
-                if update.version is not None:
-                    # the engine labels the outputs of every later step with this version
-                    await transport.label_version(update.version)
+                    worker = await send_source(update.source, prepared, rpc)
             logger.debug(
                 "weight update: %.1f ms in the backend; worker: %s",
                 (time.perf_counter() - started) * 1e3,

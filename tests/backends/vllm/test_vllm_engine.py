@@ -141,6 +141,69 @@ def test_update_leaves_the_prefix_cache_to_the_salt(engine: Engine, models: tupl
     assert greedy(engine) == hf_greedy(models[0], state_dict(models[0]), PROMPTS, MAX_TOKENS)
 
 
+def test_loads_under_a_running_request_run_at_the_engine_cores_step_boundary(
+    engine: Engine, models: tuple[Path, Path]
+) -> None:
+    """With a request running, a load is one call into rlinfer's engine-core utility, which runs
+    it between two engine steps (rlinfer_vllm.engine_core.step_boundary), not a pause, load and
+    resume from here: a load the worker rejects switches no version and leaves the old weights
+    serving, and an accepted one switches the stream's versions once, at a token boundary."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    transport = backend_of(engine).transport
+    assert transport.loads_at_step_boundary, "rlinfer's engine-core plugin did not answer"
+    through_boundary: list[str] = []
+    original = transport.rpc_at_step_boundary
+
+    async def counted(method: str, *args: Any, version: int) -> Any:
+        through_boundary.append(method)
+        return await original(method, *args, version=version)
+
+    base, other = state_dict(models[0]), state_dict(models[1])
+    bad = {**other, "model.layers.1.mlp.down_proj.weight": torch.zeros(3, 3)}
+    transport.rpc_at_step_boundary = counted
+    try:
+        for _ in range(3):
+            through_boundary.clear()
+            sampling = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+            request = GenerateRequest(prompt_token_ids=PROMPTS[0], sampling=sampling, request_id=f"long-{_}")
+            first = threading.Event()
+
+            def consume(request: GenerateRequest = request, first: threading.Event = first) -> list[Any]:
+                deltas = []
+                for delta in engine.stream(request):
+                    deltas.append(delta)
+                    first.set()
+                return deltas
+
+            with ThreadPoolExecutor(1) as pool:
+                streamed = pool.submit(consume)
+                assert first.wait(120), "the request produced no token"
+                old = engine.weight_version
+                rejected = WeightUpdate(NamedTensors.of(bad), old + 7)  # a version no token may carry
+                with pytest.raises(WeightUpdateError, match="down_proj"):
+                    engine._run(backend_of(engine).rlinfer_update_weights(update=rejected))
+                assert engine.weight_version == old
+                spanned = request.request_id in engine.in_flight
+                new = engine.update_weights(NamedTensors.of(other))
+                spanned = spanned and request.request_id in engine.in_flight
+                versions = [v for delta in streamed.result(timeout=300) for v in (delta.token_versions or ())]
+            engine.update_weights(NamedTensors.of(base))
+            if spanned:  # premise: the request ran through both loads
+                break
+        else:
+            pytest.fail("premise not reached in 3 tries: the request finished before the loads")
+        assert through_boundary == ["rlinfer_load_ipc", "rlinfer_load_ipc"], through_boundary
+        switch = versions.index(new)
+        assert set(versions[:switch]) == {old} and set(versions[switch:]) == {new}, versions
+    finally:
+        del transport.rpc_at_step_boundary
+    assert greedy(engine) == hf_greedy(models[0], base, PROMPTS, MAX_TOKENS)
+
+
 def test_bench_hooks(engine: Engine, models: tuple[Path, Path]) -> None:
     base, other = state_dict(models[0]), state_dict(models[1])
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, n=2)

@@ -145,6 +145,13 @@ class Transport(Protocol):
     async def label_version(self, version: int) -> None:
         """Label the tokens of every later engine step with ``version``."""
 
+    #: whether :meth:`rpc_at_step_boundary` works (rlinfer's engine-core plugin answered)
+    loads_at_step_boundary: bool
+
+    async def rpc_at_step_boundary(self, method: str, *args: Any, version: int) -> Any:
+        """:meth:`rpc`, run by the engine core between two of its steps with the caches handled
+        there; the tokens of every later step are labelled ``version`` if every rank loaded."""
+
     async def sleep(self, level: int) -> None:
         """vLLM's sleep mode at ``level`` (requests in flight are aborted)."""
 

@@ -102,6 +102,14 @@ class HttpTransport:
         an attached server without it: not known, so not relied on)."""
         return bool(self._features.get("cache_salt", False))
 
+    #: loads pause and resume the scheduler through the server (its version labels live in the
+    #: server process: rlinfer_vllm.transport.stream_versions)
+    loads_at_step_boundary = False
+
+    async def rpc_at_step_boundary(self, method: str, *args: Any, version: int) -> Any:
+        """Not offered by this transport (:attr:`loads_at_step_boundary` is False)."""
+        raise NotImplementedError("loads at the engine core's step boundary run in process only")
+
     def prefill_pending(self) -> bool:
         """Whether a request of this backend is in flight: the server does not say whether it
         prefilled (each request's salt is read in the same step as it is counted in flight)."""

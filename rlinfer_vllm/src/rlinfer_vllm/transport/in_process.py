@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +42,9 @@ logger = logging.getLogger("rlinfer_vllm.backend")
 
 #: how long vLLM's own shutdown may take before rlinfer kills what is left of the engine
 SHUTDOWN_TIMEOUT_S = 30.0
+
+#: how much longer than the workers' own deadline a step-boundary load may take to answer
+STEP_BOUNDARY_GRACE_S = 30.0
 
 #: vLLM's structured-output settings unless engine_kwargs set them: xgrammar (what "auto" picks
 #: for the constraints rlinfer sends) generating JSON without free whitespace, so that a model
@@ -87,6 +91,8 @@ class InProcessTransport(LoraAdapters, RawBaseline, Generation):
 
     #: requests carry the salt of the version live when the load gate admits them
     salted = True
+    #: weight loads run in the engine core between two steps (set at start: :func:`step_boundary_ready`)
+    loads_at_step_boundary = False
 
     def prefill_pending(self) -> bool:
         """Whether a sample admitted into the engine has no token yet (the token counts are
@@ -141,6 +147,7 @@ class InProcessTransport(LoraAdapters, RawBaseline, Generation):
         specs = {name: TensorSpec(name, dtype, tuple(shape)) for name, dtype, shape in rows}
         self._info = self._model_info(llm, specs)
         self.capabilities = self._runtime_capabilities(llm)
+        self.loads_at_step_boundary = await step_boundary_ready(llm, config)
         return Started(specs, self._info, self.capabilities)
 
     def _model_info(self, llm: AsyncLLM, specs: Mapping[str, TensorSpec]) -> ModelInfo:
@@ -317,6 +324,40 @@ class InProcessTransport(LoraAdapters, RawBaseline, Generation):
             raise
         return rank_zero_result(method, outcomes, llm.vllm_config.parallel_config.world_size)
 
+    async def rpc_at_step_boundary(self, method: str, *args: Any, version: int) -> Any:
+        """:meth:`rpc` run by the engine core between two engine steps, caches handled there
+        (:mod:`rlinfer_vllm.engine_core.step_boundary`); the outputs of every later step are
+        ``version`` if every rank loaded."""
+        from rlinfer_vllm.engine_core.step_boundary import UTILITY
+        from rlinfer_vllm.ranks import rank_zero_result
+
+        llm = self._alive()
+        core, versions = llm.engine_core, self._versions
+        assert versions is not None
+        before = set(core.utility_results)
+        timeout_s = self.config.request_timeout_s
+        call = asyncio.ensure_future(core.call_utility_async(UTILITY, method, list(args), timeout_s, self.multimodal))
+        await asyncio.sleep(0)  # the call has registered the future its reply resolves
+        replies = [core.utility_results[k] for k in core.utility_results.keys() - before]
+        exact = len(replies) == 1
+        if exact:
+            versions.switch_on(replies[0], version, lambda reply: bool(reply["loaded"]))
+        try:
+            reply = await asyncio.wait_for(call, timeout_s + STEP_BOUNDARY_GRACE_S)
+        except Exception as exc:
+            if llm.errored:
+                raise EngineDead(f"the vLLM engine core died during {method}: {exc}") from exc
+            raise
+        finally:
+            versions.settle_switch()
+        if not exact and reply["loaded"]:
+            # another utility call was registered in the same tick: the switch is late by the
+            # outputs that arrived meanwhile
+            logger.warning("weight version %d labelled after the load's reply, not at it", version)
+            versions.version = version
+        logger.debug("step-boundary load: prefix cache reset: %s", reply["prefix_cache_reset"])
+        return rank_zero_result(method, reply["outcomes"], llm.vllm_config.parallel_config.world_size)
+
     async def label_version(self, version: int) -> None:
         """Outputs of every later engine step are counted as ``version`` (:mod:`rlinfer_vllm.versions`)."""
         assert self._versions is not None
@@ -341,6 +382,21 @@ class InProcessTransport(LoraAdapters, RawBaseline, Generation):
         if self._tool_parsing is None:
             self._tool_parsing = ToolParsing(self._alive().tokenizer)
         return self._tool_parsing.parse(text, parser, tools)
+
+
+async def step_boundary_ready(llm: AsyncLLM, config: EngineConfig) -> bool:
+    """Whether weight loads can run at the engine core's step boundary: rlinfer's engine-core
+    plugin answers, one engine core (no data parallelism), and ``RLINFER_VLLM_STEP_BOUNDARY`` is
+    not ``0`` (then loads pause and resume the scheduler from here)."""
+    from rlinfer_vllm.engine_core.step_boundary import READY
+
+    if os.environ.get("RLINFER_VLLM_STEP_BOUNDARY", "1") == "0" or config.data_parallel_size != 1:
+        return False
+    try:
+        return bool(await asyncio.wait_for(llm.engine_core.call_utility_async(READY), 30.0))
+    except Exception as exc:  # the plugin is not installed, or VLLM_PLUGINS leaves it out
+        logger.info("weight loads pause the scheduler: rlinfer's engine-core plugin did not answer (%s)", exc)
+        return False
 
 
 def process_roles(running: Sequence[Any], server_pid: int | None = None) -> dict[str, int]:
