@@ -126,3 +126,32 @@ def assert_unchanged(model: Any, before: dict[str, Any]) -> None:
 def assert_same_params(a: Any, b: Any) -> None:
     """Two models hold equal parameters under the same names."""
     assert_unchanged(a, snapshot(b))
+
+
+class Fp8LinearDouble(torch.nn.Module):
+    """Stands in for a linear layer after an engine's online FP8 processing (TP 1): ``weight`` the
+    transpose of contiguous E4M3 codes ``[out, in]``, a float32 ``weight_scale`` of ``scale_shape``
+    (``(1,)`` per tensor as vLLM, ``(1, out)`` per output channel as SGLang on cutlass), the parts'
+    rows in ``logical_widths``, no input scale."""
+
+    def __init__(self, widths: list[int], cols: int, scale_shape: tuple[int, ...] = (1,)) -> None:
+        super().__init__()
+        self.logical_widths = widths
+        self.output_sizes = widths
+        self.output_size_per_partition, self.input_size_per_partition = sum(widths), cols
+        self.orig_dtype = torch.bfloat16
+        codes = torch.zeros(sum(widths), cols, dtype=torch.float8_e4m3fn)
+        self.weight = torch.nn.Parameter(codes.t(), requires_grad=False)
+        self.weight_scale = torch.nn.Parameter(torch.ones(scale_shape), requires_grad=False)
+        self.input_scale = None
+
+
+def fp8_quant_double(layer: Any, merged: Any) -> None:
+    """A torch stand-in for an engine's FP8 quantization op (the ops do not run on CPU): amax / 448
+    per output row where the layer's scale has one per row, else per tensor, the codes written into
+    ``layer.codes`` and the scale into ``layer.scale``."""
+    per_row = layer.scale.numel() > 1
+    amax = merged.float().abs().amax(dim=1, keepdim=True) if per_row else merged.float().abs().max()
+    scale = amax / 448.0
+    layer.codes.copy_((merged.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn))
+    layer.scale.copy_(scale.reshape(layer.scale.shape))

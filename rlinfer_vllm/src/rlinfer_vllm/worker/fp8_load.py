@@ -66,12 +66,15 @@ import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import attrs
+from rlinfer_core.transfer.fp8_fast_load import Fp8FastLoader as CoreFp8FastLoader
+from rlinfer_core.transfer.fp8_fast_load import Fp8Layer, Fp8Plan, Quantize, fp8_layer, make_plan
+from rlinfer_core.transfer.fp8_fast_load import merged_input as merged_input  # re-exported (tests)
+from rlinfer_core.transfer.fp8_fast_load import route as route  # re-exported (tests)
 
 if TYPE_CHECKING:
     import torch
 
-from rlinfer_core.transfer.fast_load import Specs
+    from rlinfer_core.transfer.fast_load import Specs
 
 #: the vLLM release whose online FP8 this module reproduces (others keep the reload)
 VLLM_SERIES = "0.26."
@@ -149,20 +152,6 @@ def layer_problem(module: Any) -> str | None:
     return None
 
 
-@attrs.frozen(eq=False)
-class Fp8Layer:
-    """One FP8 linear layer: the checkpoint names of its parts in row order, their rows, and the
-    live tensors to write (``codes``: the contiguous ``[out, in]`` the layer's ``weight`` views)."""
-
-    module: str
-    parts: tuple[str, ...]
-    rows: tuple[int, ...]
-    cols: int
-    dtype: Any  # the layer's BF16 dtype (the merged input's)
-    codes: Any
-    scale: Any
-
-
 def plan_layers(
     model: Any, specs: Specs, accept: Callable[[Any], bool], problem: Callable[[Any], str | None]
 ) -> list[Fp8Layer]:
@@ -181,30 +170,12 @@ def plan_layers(
         why = problem(module)
         if why is not None:
             raise ValueError(f"{name}: {why}")
-        parent, _, leaf = name.rpartition(".")
-        prefix = f"{parent}." if parent else ""
-        parts = tuple(f"{prefix}{p}.weight" for p in order.get(leaf, [leaf]))
-        rows = tuple(int(r) for r in getattr(module, "logical_widths", [module.output_size_per_partition]))
+        leaf = name.rpartition(".")[2]
+        rows = getattr(module, "logical_widths", [module.output_size_per_partition])
+        codes, dtype = module.weight.t(), getattr(module, "orig_dtype", None)
         cols = int(module.input_size_per_partition)
-        if len(rows) != len(parts) or sum(rows) != int(module.output_size_per_partition):
-            raise ValueError(f"{name}: logical_widths {rows} do not split it into {parts}")
-        for part, height in zip(parts, rows, strict=True):
-            if part not in specs or tuple(specs[part][1]) != (height, cols):
-                raise ValueError(f"{name}: checkpoint has no {part} of shape {(height, cols)}")
-        dtype = getattr(module, "orig_dtype", None) or specs[parts[0]][0]
-        layers.append(Fp8Layer(name, parts, rows, cols, dtype, module.weight.t(), module.weight_scale))
+        layers.append(fp8_layer(name, order.get(leaf, [leaf]), rows, cols, codes, module.weight_scale, dtype, specs))
     return layers
-
-
-@attrs.frozen(eq=False)
-class Fp8Plan:
-    """Where each checkpoint name goes: an FP8 layer's part (``by_part``), a parameter slice
-    (``views``, unquantized tensors), or nowhere (``skipped``, a tied model's ``lm_head``)."""
-
-    layers: tuple[Fp8Layer, ...]
-    by_part: Mapping[str, Fp8Layer]
-    views: Mapping[str, Any]
-    skipped: frozenset[str]
 
 
 def build_plan(
@@ -222,55 +193,9 @@ def build_plan(
         if method is not None and not accept(module) and type(method).__name__ not in OTHER_METHODS:
             raise ValueError(f"{name}: quant method {type(method).__name__}")
     layers = plan_layers(model, specs, accept, problem)
-    by_part = {part: layer for layer in layers for part in layer.parts}
-    plain = {name: spec for name, spec in specs.items() if name not in by_part}
-    views = parameter_views(model, plain, served_dtype)
-    return Fp8Plan(tuple(layers), by_part, views, skipped_names(model, specs))
-
-
-Routed = tuple[list[tuple[Any, Any]], list[tuple[Fp8Layer, list[Any]]]]
-
-
-def route(plan: Fp8Plan, tensors: Sequence[tuple[str, torch.Tensor]]) -> Routed | str:
-    """(plain copies as (destination, source), FP8 layers with their parts' tensors in row order) for
-    an update, or why it does not qualify (then nothing may be written: the caller reloads)."""
-    given = dict(tensors)
-    copies: list[tuple[Any, Any]] = []
-    layers: dict[str, tuple[Fp8Layer, list[Any]]] = {}
-    for name, tensor in tensors:
-        layer = plan.by_part.get(name)
-        if layer is not None:
-            if layer.module not in layers:
-                missing = [p for p in layer.parts if p not in given]
-                if missing:
-                    return f"{layer.module}: partial update (no {', '.join(missing)})"
-                parts = [given[p] for p in layer.parts]
-                if any(t.device != layer.codes.device or not t.is_floating_point() for t in parts):
-                    return f"{layer.module}: a part is not a floating-point tensor on {layer.codes.device}"
-                layers[layer.module] = (layer, parts)
-            continue
-        if name in plan.skipped:
-            continue
-        dest = plan.views.get(name)
-        if dest is None:
-            return f"{name}: no parameter slice to copy into"
-        if dest.device != tensor.device or dest.dtype != tensor.dtype or dest.shape != tensor.shape:
-            return f"{name}: {tensor.dtype} on {tensor.device}, its slice {dest.dtype} on {dest.device}"
-        copies.append((dest, tensor))
-    return copies, list(layers.values())
-
-
-def merged_input(layer: Fp8Layer, parts: Sequence[torch.Tensor], scratch: torch.Tensor) -> torch.Tensor:
-    """The BF16 ``[out, in]`` vLLM's loaders would build for ``layer``: the parts' rows in order
-    (``logical_widths``), in the layer's dtype; a lone contiguous part of that dtype as it is, else
-    copied into the front of ``scratch`` (flat, the layer's dtype, at least ``out * in`` long)."""
-    import torch
-
-    if len(parts) == 1 and parts[0].dtype == layer.dtype and parts[0].is_contiguous():
-        return parts[0]
-    merged = scratch[: sum(layer.rows) * layer.cols].view(sum(layer.rows), layer.cols)
-    torch._foreach_copy_(list(torch.split(merged, list(layer.rows))), list(parts), non_blocking=True)
-    return merged
+    parts = {part for layer in layers for part in layer.parts}
+    views = parameter_views(model, {name: spec for name, spec in specs.items() if name not in parts}, served_dtype)
+    return make_plan(layers, views, skipped_names(model, specs))
 
 
 def quantize_into(layer: Fp8Layer, merged: torch.Tensor) -> None:
@@ -282,100 +207,36 @@ def quantize_into(layer: Fp8Layer, merged: torch.Tensor) -> None:
     layer.scale.copy_(scale.reshape(layer.scale.shape), non_blocking=True)
 
 
-class Fp8FastLoader:
-    """The cached :class:`Fp8Plan` of one engine's model, the fast FP8 load with it, and what the
-    reload mode's shadow no longer holds (:attr:`stale`, :attr:`records`; see the module docstring)."""
+class Fp8FastLoader(CoreFp8FastLoader):
+    """The core's fast FP8 load (:class:`rlinfer_core.transfer.fp8_fast_load.Fp8FastLoader`) with
+    vLLM's plan and op, and what the reload mode's shadow no longer holds (:attr:`stale`,
+    :attr:`records`; see the module docstring)."""
 
     def __init__(
         self,
         get_model: Callable[[], Any],
         specs: Specs,
         served_dtype: torch.dtype,
-        quantize: Callable[[Fp8Layer, Any], None] = quantize_into,
+        quantize: Quantize = quantize_into,
         build: Callable[[Any, Specs, Any], Fp8Plan] = build_plan,
     ) -> None:
-        from rlinfer_core.transfer.fast_load import PerModel
-
-        self._quantize = quantize
-        self._build = build
-        self._specs = specs
-        self._dtype = served_dtype
-        self._plan = PerModel(get_model, self._plan_or_none)
-        self._scratch: torch.Tensor | None = None
-        self._logged: set[str] = set()
+        super().__init__(
+            get_model,
+            lambda model: build(model, specs, served_dtype),
+            quantize,
+            engine="vLLM",
+            fallback="vLLM's reload",
+            logger=log,
+        )
         #: names loaded here since the shadow last held them
         self.stale: set[str] = set()
         #: name -> its first :data:`RECORD_ROWS` rows as last loaded here (for ``quantized_check``)
         self.records: dict[str, torch.Tensor] = {}
 
-    def _note(self, reason: str) -> None:
-        if reason not in self._logged:  # once per reason, not per update
-            self._logged.add(reason)
-            log.info("fast FP8 load not used: %s (vLLM's reload instead)", reason)
-
-    @property
-    def plan_s(self) -> float:
-        """Seconds spent building the plan at the last :meth:`load` (0.0 when cached)."""
-        return self._plan.plan_s
-
-    def invalidate(self) -> None:
-        """Forget the plan (and the references it holds on the parameters)."""
-        self._plan.invalidate()
-        self._scratch = None
-
-    def _plan_or_none(self, model: Any) -> Fp8Plan | None:
-        self._scratch = None  # sized for the plan it was made for
-        try:
-            return self._build(model, self._specs, self._dtype)
-        except ValueError as exc:
-            self._note(f"no plan: {exc}")
-            return None
-
-    def plan(self) -> Fp8Plan | None:
-        """The current plan, rebuilt if the model's parameters changed; None where none can be made."""
-        return self._plan.get()
-
-    def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> bool:
-        """Load ``tensors`` (names, shapes and dtypes already checked) and return True, or write
-        nothing and return False when the update does not qualify. Synchronizes the stream."""
-        import torch
-
-        from rlinfer_core.errors import WeightUpdateError
-
-        plan = self.plan()
-        routed = route(plan, tensors) if plan is not None else "no plan"
-        if isinstance(routed, str):
-            self._note(routed)
-            return False
-        copies, layers = routed
+    def _writing(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
         # stale from here on: after a fault mid-way the shadow must not stand in for these names
         self.stale.update(name for name, _ in tensors)
-        try:
-            with torch.no_grad():
-                self._record(tensors)
-                if copies:
-                    torch._foreach_copy_([d for d, _ in copies], [s for _, s in copies], non_blocking=True)
-                for layer, parts in layers:
-                    self._quantize(layer, merged_input(layer, parts, self._scratch_for(plan)))
-            if any(t.is_cuda for _, t in tensors):  # the sender frees its buffers once we return
-                torch.cuda.current_stream().synchronize()
-        except Exception as exc:
-            raise WeightUpdateError(
-                "vLLM failed during a fast FP8 load; the engine may hold a partial update: send a full one",
-                (f"{type(exc).__name__}: {exc}",),
-            ) from exc
-        return True
-
-    def _scratch_for(self, plan: Fp8Plan | None) -> torch.Tensor:
-        """One flat buffer as large as the largest FP8 layer, kept while the plan holds."""
-        import torch
-
-        if self._scratch is None:
-            assert plan is not None and plan.layers
-            largest = max(plan.layers, key=lambda layer: sum(layer.rows) * layer.cols)
-            numel = sum(largest.rows) * largest.cols
-            self._scratch = torch.empty(numel, dtype=largest.dtype, device=largest.codes.device)
-        return self._scratch
+        self._record(tensors)
 
     def _record(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
         """Keep each tensor's first rows on its device (one batched copy)."""
