@@ -252,7 +252,9 @@ QUANTIZED_RELOAD_CUDA_NOTE = (
     "engine_kwargs quantization='fp8' on a BF16 checkpoint: SGLang quantizes online at start but never again "
     "(update_weights_from_tensor loads into the FP8 parameters); rlinfer's scheduler-side loader gives each FP8 "
     "linear layer a BF16 weight with its loader, loads the update, re-runs SGLang's FP8 quantization and copies "
-    "the new codes and scales into the served tensors (rlinfer_sglang.scheduler.requantize). weight_specs are the "
+    "the new codes and scales into the served tensors (rlinfer_sglang.scheduler.requantize); where verified (TP 1, "
+    "Llama/Qwen2/Qwen3, per-channel FP8 on cutlass, every fused layer given whole) the update is quantized straight "
+    "into the served codes with SGLang's own op instead (rlinfer_sglang.scheduler.fp8_load). weight_specs are the "
     "checkpoint's; weights.checksum is not claimed on CUDA; block FP8, FP8 checkpoints and FP8 MoE are refused"
 )
 

@@ -143,6 +143,7 @@ def test_fast_load_plan_on_the_real_module_tree(world: dict[str, Any]) -> None:
     assert plan["skipped"] == (["lm_head.weight"] if tied else [])
     assert set(plan["zeroed"]) <= {"model.embed_tokens.weight", "lm_head.weight"}
     assert plan["reason"] is not None and plan["reason"].startswith("device cpu")
+    assert plan["fp8_reason"] is not None and plan["fp8_reason"].startswith("device cpu")
 
 
 def test_a_wrong_tensor_is_detected(world: dict[str, Any]) -> None:

@@ -4,9 +4,10 @@ of ``model.load_weights`` (the engine-agnostic part: :mod:`rlinfer_core.transfer
 Used by :func:`rlinfer_sglang.scheduler.loader.load` when :func:`ineligible_reason` finds nothing:
 CUDA, tensor and pipeline parallel size 1, SGLang's legacy ``load_weights`` (not
 ``SGLANG_ENABLE_WEIGHT_LOADER_V2``), an architecture in :data:`VERIFIED_ARCHITECTURES`, no LoRA
-layer, and only unquantized layers (an online-FP8 engine, which
-:func:`~rlinfer_sglang.scheduler.requantize.requantizing` quantizes again after loading, keeps
-``load_weights``). For those, checked against SGLang 0.5.23's source, ``load_weights`` does nothing
+layer, and only unquantized layers (an online-FP8 engine takes
+:mod:`rlinfer_sglang.scheduler.fp8_load`, which quantizes the update into the served codes, or
+else :func:`~rlinfer_sglang.scheduler.requantize.requantizing` around ``load_weights``). For
+those, checked against SGLang 0.5.23's source, ``load_weights`` does nothing
 but copy each checkpoint tensor into a slice of a parameter:
 
 - ``models/{llama,qwen2,qwen3}.py`` ``_legacy_load_weights``/``load_weights`` map ``q/k/v_proj``
@@ -36,15 +37,16 @@ onto served tensors) over the names and shapes the model's own layers imply
 bundle's SGLang may be another release: its served weights are verified by checksum after each
 round trip of the GPU bench.
 
-``RLINFER_SGLANG_FAST_LOAD=0`` in the engine's environment turns it off (A/B comparisons).
+``RLINFER_SGLANG_FAST_LOAD=0`` in the engine's environment turns it off (A/B comparisons), and
+the fast FP8 path with it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -78,8 +80,12 @@ def enabled_by_env() -> bool:
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def ineligible_reason(model: Any, device_type: str, tp_size: int, pp_size: int, loader_v2: bool) -> str | None:
-    """Why this engine's updates can never be loaded fast (None: they can, given a plan)."""
+def ineligible_reason(
+    model: Any, device_type: str, tp_size: int, pp_size: int, loader_v2: bool, methods: frozenset[str] = PLAIN_METHODS
+) -> str | None:
+    """Why this engine's updates can never be loaded fast (None: they can, given a plan); ``methods``:
+    the quant methods a layer may have (the FP8 path, :mod:`rlinfer_sglang.scheduler.fp8_load`,
+    allows its own)."""
     if not enabled_by_env():
         return f"{ENV} turns it off"
     if device_type != "cuda":
@@ -95,12 +101,12 @@ def ineligible_reason(model: Any, device_type: str, tp_size: int, pp_size: int, 
         if type(module).__name__.endswith("WithLoRA"):
             return "LoRA (layers are wrapped)"
         method = getattr(module, "quant_method", None)
-        if method is not None and type(method).__name__ not in PLAIN_METHODS:
+        if method is not None and type(method).__name__ not in methods:
             return f"quantized ({type(method).__name__})"
     return None
 
 
-def engine_reason(model: Any) -> str | None:
+def engine_reason(model: Any, methods: frozenset[str] = PLAIN_METHODS) -> str | None:
     """:func:`ineligible_reason` for the engine this scheduler runs."""
     from sglang.srt.distributed import parallel_state
 
@@ -118,7 +124,7 @@ def engine_reason(model: Any) -> str | None:
         loader_v2 = bool(envs.SGLANG_ENABLE_WEIGHT_LOADER_V2.get())
     except (ImportError, AttributeError):  # a release without the switch: only the one loader
         loader_v2 = False
-    return ineligible_reason(model, _device(model).type, sizes[0], sizes[1], loader_v2)
+    return ineligible_reason(model, _device(model).type, sizes[0], sizes[1], loader_v2, methods)
 
 
 def _loader_name(param: Any) -> str:
@@ -186,27 +192,50 @@ def parameter_views(model: Any) -> SlicePlan:
 
 
 def plan_report(model: Any) -> dict[str, Any]:
-    """Why updates are not loaded fast here (``reason``, None: they are) and the plan the model's
+    """Why updates are not loaded fast here (``reason``, None: they are; ``fp8_reason``: the same
+    for the fast FP8 path, :mod:`rlinfer_sglang.scheduler.fp8_load`) and the plan the model's
     module tree gives (``mapped``, ``skipped``, ``zeroed``: sorted names), whatever the reason."""
+    from rlinfer_sglang.scheduler import fp8_load
+
     plan = parameter_views(model)
     return {
         "reason": engine_reason(model),
+        "fp8_reason": fp8_load.engine_reason(model),
         "mapped": sorted(plan.views),
         "skipped": sorted(plan.skipped),
         "zeroed": sorted(plan.zeroed),
     }
 
 
-class SchedulerFastLoad:
-    """The fast path of one scheduler process: whether its engine is eligible (checked once per
-    model, the reason logged once) and the core's cached :class:`~rlinfer_core.transfer.fast_load.FastLoader`."""
+class Loader(Protocol):
+    """What :class:`SchedulerPath` drives: the core's ``FastLoader`` or ``Fp8FastLoader``."""
 
-    def __init__(self) -> None:
-        from rlinfer_core.transfer.fast_load import FastLoader
+    @property
+    def plan_s(self) -> float:
+        """Seconds the last load spent building the plan."""
+        ...
 
+    def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> bool:
+        """Load ``tensors`` and return True, or write nothing and return False."""
+        ...
+
+
+class SchedulerPath:
+    """One fast path of a scheduler process (``what``, in the log): whether its engine is eligible
+    (``reason``, checked once per model, the reason logged once where ``worth_logging`` says so)
+    and its loader (``make_loader(get_model)``, cached by the core)."""
+
+    def __init__(
+        self,
+        what: str,
+        reason: Callable[[Any], str | None],
+        make_loader: Callable[[Callable[[], Any]], Loader],
+        worth_logging: Callable[[Any], bool] = lambda model: True,
+    ) -> None:
+        self._what, self._reason_of, self._worth_logging = what, reason, worth_logging
         self._model: Any = None
         self._reason: tuple[Any, str | None] | None = None
-        self._loader = FastLoader(lambda: self._model, parameter_views)
+        self._loader = make_loader(lambda: self._model)
 
     @property
     def plan_s(self) -> float:
@@ -214,12 +243,12 @@ class SchedulerFastLoad:
         return self._loader.plan_s
 
     def load(self, model: Any, tensors: Sequence[tuple[str, torch.Tensor]]) -> bool:
-        """Load ``tensors`` into ``model`` with one batched copy and return True, or write nothing
-        and return False (ineligible engine, or a tensor without a slice): use ``load_weights``."""
+        """Load ``tensors`` into ``model`` and return True, or write nothing and return False
+        (ineligible engine, or an update the loader does not take): the caller's usual path."""
         if self._reason is None or self._reason[0] is not model:
-            reason = engine_reason(model)
-            if reason is not None:
-                log.info("fast weight loading off: %s", reason)
+            reason = self._reason_of(model)
+            if reason is not None and self._worth_logging(model):
+                log.info("%s off: %s", self._what, reason)
             self._reason = (model, reason)
         if self._reason[1] is not None:
             return False
@@ -227,12 +256,25 @@ class SchedulerFastLoad:
         return self._loader.load(tensors)
 
 
-_PROCESS: list[SchedulerFastLoad] = []
+#: this scheduler process's fast paths, by name
+_PROCESS: dict[str, SchedulerPath] = {}
+
+
+def loaded_by(name: str, make: Callable[[], SchedulerPath], model: Any, tensors: Sequence[Any]) -> tuple[bool, float]:
+    """:meth:`SchedulerPath.load` of this process's path ``name`` (made once by ``make``), and its
+    plan time (seconds)."""
+    path = _PROCESS.get(name)
+    if path is None:
+        path = _PROCESS[name] = make()
+    return path.load(model, tensors), path.plan_s
+
+
+def _bf16_path() -> SchedulerPath:
+    from rlinfer_core.transfer.fast_load import FastLoader
+
+    return SchedulerPath("fast weight loading", engine_reason, lambda get_model: FastLoader(get_model, parameter_views))
 
 
 def loaded_fast(model: Any, tensors: Sequence[tuple[str, torch.Tensor]]) -> tuple[bool, float]:
-    """:meth:`SchedulerFastLoad.load` of this process's instance, and its plan time (seconds)."""
-    if not _PROCESS:
-        _PROCESS.append(SchedulerFastLoad())
-    fast = _PROCESS[0]
-    return fast.load(model, tensors), fast.plan_s
+    """The BF16 fast path (one batched copy) of this process: loaded or not, and its plan time."""
+    return loaded_by("bf16", _bf16_path, model, tensors)

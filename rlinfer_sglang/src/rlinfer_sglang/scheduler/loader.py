@@ -19,7 +19,10 @@ the model and the deserialized ``(name, tensor)`` pairs. The first pair is a con
 
 Where :mod:`rlinfer_sglang.scheduler.fast_load` finds the engine eligible, an update is loaded by
 one batched copy into the parameters instead of ``model.load_weights`` (outcome ``fast_load``:
-1.0, else 0.0; ``fast_plan_s``: seconds spent finding the slices, 0 once cached).
+1.0, else 0.0; ``fast_plan_s``: seconds spent finding the slices, 0 once cached). On an online-FP8
+engine, :mod:`rlinfer_sglang.scheduler.fp8_load` quantizes the update straight into the served
+codes where it can (outcome ``fast_fp8``: 1.0, else 0.0, present where the BF16 fast path did not
+load); otherwise :mod:`rlinfer_sglang.scheduler.requantize` re-quantizes after ``load_weights``.
 
 After loading, the outcome holds ``lengths``: rid -> ``len(output_ids)`` of every request the
 scheduler holds at that moment (the per-token weight versions, see :mod:`rlinfer_sglang.versions`);
@@ -337,11 +340,16 @@ def load(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
             outcome["loaded"] = True  # from here on a failure may leave a partial update
             from rlinfer_core.fault_plan import planted
             from rlinfer_sglang.scheduler.fast_load import loaded_fast
+            from rlinfer_sglang.scheduler.fp8_load import loaded_fast_fp8
             from rlinfer_sglang.scheduler.requantize import requantizing
 
             tensors = list(planted(tensors))
             fast, outcome["fast_plan_s"] = loaded_fast(model, tensors)  # one batched copy where verified
             outcome["fast_load"] = 1.0 if fast else 0.0
+            if not fast:  # an online-FP8 engine: quantized straight into its codes where verified
+                fast, fp8_plan_s = loaded_fast_fp8(model, tensors)
+                outcome["fast_fp8"] = 1.0 if fast else 0.0
+                outcome["fast_plan_s"] += fp8_plan_s
             if not fast:
                 with requantizing(model):  # an online-FP8 engine quantizes the BF16 update again
                     model.load_weights(_private_vectors(tensors))

@@ -37,6 +37,10 @@ same input values, same output layout: the bytes a reload would leave. Unquantiz
 embeddings, head, biases) are copied into their parameter slices as the BF16 fast path does
 (:func:`rlinfer_vllm.worker.fast_load.parameter_views`), with one ``_foreach_copy_``.
 
+The engine-agnostic part (the grouping, the merge, the routing, the all-or-nothing load) is
+:mod:`rlinfer_core.transfer.fp8_fast_load`, shared with SGLang's ``rlinfer_sglang.scheduler.fp8_load``;
+this module gives it vLLM's layers, op and the shadow's bookkeeping.
+
 **When it applies** (:func:`ineligible_reason`, :func:`layer_problem`; anything else keeps vLLM's
 reload, the reason logged once): vLLM 0.26.x on CUDA, ``quantization="fp8"``, the architectures of
 :data:`rlinfer_vllm.worker.fast_load.VERIFIED_ARCHITECTURES`, TP = PP = 1, no LoRA,
