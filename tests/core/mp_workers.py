@@ -33,16 +33,29 @@ def broadcast_child(group: Any, specs: Any, results: Any) -> None:
         results.put(("error", f"{type(exc).__name__}: {exc}"))
 
 
-def silent_rank_child(group: Any, results: Any) -> None:
-    """Join the weight group as rank 1, then never take part in a broadcast (an engine rank
-    that hangs)."""
+def silent_rank_child(group: Any, rank: int, results: Any) -> None:
+    """Join the weight group as ``rank``, then never take part in a broadcast (an engine rank
+    that hangs, or a trainer that never sends)."""
     import time
 
     from rlinfer_core.transfer.broadcast import create_group
 
     try:
-        create_group(group, rank=1)
+        create_group(group, rank=rank)
         results.put(("ok", "joined"))
         time.sleep(60)
+    except BaseException as exc:
+        results.put(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def sender_child(group: Any, tensors: Any, results: Any) -> None:
+    """The trainer (rank 0): join the weight group and broadcast ``tensors``."""
+    from rlinfer_core.transfer.broadcast import WeightBroadcaster
+
+    try:
+        sender = WeightBroadcaster(group)
+        sender.send(tensors)
+        sender.close()
+        results.put(("ok", "sent"))
     except BaseException as exc:
         results.put(("error", f"{type(exc).__name__}: {exc}"))

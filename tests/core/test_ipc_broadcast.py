@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from typing import Any
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from mp_workers import broadcast_child, ipc_child, silent_rank_child
+from mp_workers import broadcast_child, ipc_child, sender_child, silent_rank_child
 
-from rlinfer_core.errors import EngineTimeout
-from rlinfer_core.transfer.broadcast import WeightBroadcaster, free_port
+from rlinfer_core.errors import EngineTimeout, WeightUpdateError
+from rlinfer_core.transfer.broadcast import WeightBroadcaster, create_group, destroy_group, free_port, receive
 from rlinfer_core.transfer.ipc import dumps
 from rlinfer_core.weights import BroadcastGroup
 
@@ -84,13 +85,73 @@ def test_broadcast_rank0_to_spawned_rank1_over_gloo() -> None:
 
 def test_broadcast_to_a_rank_that_never_receives_times_out() -> None:
     group = BroadcastGroup("127.0.0.1", free_port(), world_size=2, backend="gloo", timeout_s=3.0)
-    proc, results = _run_child(silent_rank_child, group)
+    proc, results = _run_child(silent_rank_child, group, 1)
     sender = WeightBroadcaster(group)  # blocks until the child joined
     try:
         assert results.get(timeout=CHILD_TIMEOUT_S) == ("ok", "joined")
         started = time.monotonic()
-        with pytest.raises(EngineTimeout, match="did not take the trainer's broadcast"):
+        with pytest.raises(EngineTimeout, match=r"did not take the trainer's broadcast.*0 of 1 broadcasts completed"):
             sender.send([("big", torch.zeros(64 << 20, dtype=torch.uint8))])
         assert time.monotonic() - started < 30
+        with pytest.raises(WeightUpdateError, match="broken"):  # a timed-out group is not used again
+            sender.send([("small", torch.zeros(4))])
+        closing = time.monotonic()
+        sender.close()  # aborts the broken group without waiting on the silent rank
+        assert time.monotonic() - closing < 15
     finally:
         proc.kill()
+
+
+def test_receive_from_a_trainer_that_never_sends_times_out_and_the_rank_joins_again() -> None:
+    """The engine side has the group's deadline too (typed, saying how far it got), and the
+    receiving process can join a new group afterwards and receive from it."""
+    tensors = _tensors()
+    specs = WeightBroadcaster.source(tensors).specs
+    group = BroadcastGroup("127.0.0.1", free_port(), world_size=2, backend="gloo", timeout_s=3.0)
+    proc, results = _run_child(silent_rank_child, group, 0)
+    pg = create_group(group, rank=1)  # blocks until the child (rank 0, the store's host) joined
+    try:
+        assert results.get(timeout=CHILD_TIMEOUT_S) == ("ok", "joined")
+        started = time.monotonic()
+        with pytest.raises(EngineTimeout, match=r"the trainer's broadcast did not arrive.*broadcasts completed"):
+            receive(pg, specs)
+        assert time.monotonic() - started < 30
+        destroy_group(pg)
+    finally:
+        proc.kill()
+
+    again = BroadcastGroup("127.0.0.1", free_port(), world_size=2, backend="gloo", timeout_s=60.0)
+    proc, results = _run_child(sender_child, again, tensors)
+    pg = create_group(again, rank=1)
+    try:
+        received = receive(pg, specs)
+        assert _result(proc, results) == "sent"
+    finally:
+        destroy_group(pg)
+    assert _expected(received) == _expected(tensors)
+
+
+class _Group:
+    """A stand-in for a torch process group (a key of the module's weak maps); test double."""
+
+
+def test_a_broadcast_call_that_never_returns_is_bounded_and_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch creates an NCCL communicator inside the first collective call, which blocks without
+    a timeout until every rank made it: that call stands in here as one that never returns. The
+    caller still gets its EngineTimeout at the deadline, saying where it stood, and the group is
+    refused afterwards."""
+    import torch.distributed as dist
+
+    from rlinfer_core.transfer import broadcast
+
+    never = threading.Event()
+    monkeypatch.setattr(dist, "broadcast", lambda *args, **kwargs: never.wait())
+    monkeypatch.setattr(broadcast, "_REPORT_GRACE_S", 0.2)
+    pg = _Group()
+    started = time.monotonic()
+    with pytest.raises(EngineTimeout, match="still inside the first broadcast call"):
+        broadcast.broadcast_by(pg, [torch.zeros(2)], time.monotonic() + 1.0, "the trainer's broadcast did not arrive")
+    assert 1.0 <= time.monotonic() - started < 10
+    with pytest.raises(WeightUpdateError, match="broken"):
+        broadcast.broadcast_by(pg, [torch.zeros(2)], time.monotonic() + 1.0, "again")
+    never.set()  # let the helper thread end

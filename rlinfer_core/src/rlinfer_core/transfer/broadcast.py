@@ -13,12 +13,25 @@ Trainer side::
     sender = WeightBroadcaster(group)
     task = engine.update_weights(sender.source(named_tensors))   # the engine starts receiving
     sender.send(named_tensors)                                     # concurrently
+
+No side waits longer than the group's ``timeout_s``: both :meth:`WeightBroadcaster.send` and
+:func:`receive` raise :class:`~rlinfer_core.errors.EngineTimeout` then, and say how far the
+broadcast got. torch creates an NCCL communicator inside the first collective call, and that call
+blocks, without any timeout, until every rank made it; so the broadcasts are issued and awaited
+in a helper thread, and a thread still blocked there at the deadline is left behind (nothing can
+cancel it). A group that timed out is broken: :func:`destroy_group` then aborts it without
+waiting on it, and a later broadcast on it is refused.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
+import logging
 import socket
+import threading
+import time
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +39,22 @@ from rlinfer_core.weights import BroadcastGroup, BroadcastSource, TensorSpec, sp
 
 if TYPE_CHECKING:
     import torch
+
+logger = logging.getLogger(__name__)
+
+#: torch's own NCCL watchdog gets this much longer than the group's timeout_s: the group's
+#: deadline must fire first, so that a late rank becomes an EngineTimeout and an aborted group,
+#: not a watchdog that tears the whole process (an engine's) down (TORCH_NCCL_ASYNC_ERROR_HANDLING)
+WATCHDOG_MARGIN_S = 60.0
+#: how long the caller waits past the deadline for the helper thread to report its own timeout
+_REPORT_GRACE_S = 5.0
+#: how long tearing a broken group down may take before it is left to a daemon thread
+_ABANDON_WAIT_S = 5.0
+
+#: each group made by create_group: its timeout_s (the deadline of every broadcast on it)
+_TIMEOUTS: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
+#: groups whose broadcast failed or timed out: why (torch cannot use them again)
+_BROKEN: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 
 
 def free_port() -> int:
@@ -45,6 +74,10 @@ def create_group(group: BroadcastGroup, rank: int) -> Any:
     store, rank, world_size = next(rendezvous(url, rank, group.world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = c10d.PrefixStore(group.group_name, store)
+    # NCCL only: a gloo operation left pending past the deadline would hold its group (and an
+    # abort of it) for the margin too
+    margin = WATCHDOG_MARGIN_S if group.backend == "nccl" else 0.0
+    watchdog = datetime.timedelta(seconds=group.timeout_s + margin)
     # The one private call: torch offers no public way to build a group outside the default
     # world; this mirrors SGLang's init_custom_process_group so the two sides match.
     pg, _ = c10d._new_process_group_helper(
@@ -55,17 +88,36 @@ def create_group(group: BroadcastGroup, rank: int) -> Any:
         store,
         group_name=group.group_name,  # type: ignore[arg-type]
         backend_options=None,
-        timeout=timeout,
+        timeout=watchdog,
     )
     c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    _TIMEOUTS[pg] = group.timeout_s
     return pg
 
 
 def destroy_group(pg: Any) -> None:
-    """Tear a weight group down."""
+    """Tear a weight group down; a broken one (a broadcast on it failed) is aborted in a daemon
+    thread, waited for at most a few seconds: a rank may still be blocked inside it."""
     import torch.distributed as dist
 
-    dist.destroy_process_group(pg)
+    if pg not in _BROKEN:
+        dist.destroy_process_group(pg)
+        return
+    done = threading.Event()
+
+    def abort() -> None:
+        from torch.distributed import distributed_c10d as c10d
+
+        try:
+            getattr(c10d, "_abort_process_group", dist.destroy_process_group)(pg)
+        except Exception as exc:  # a broken group may refuse even that; nothing else holds it
+            logger.warning("aborting a broken weight group failed: %s", exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=abort, name="rlinfer-abort-weight-group", daemon=True).start()
+    if not done.wait(_ABANDON_WAIT_S):
+        logger.warning("a broken weight group is still being aborted after %.0f s; left behind", _ABANDON_WAIT_S)
 
 
 class WeightBroadcaster:
@@ -87,14 +139,9 @@ class WeightBroadcaster:
         within the group's ``timeout_s`` (e.g. an engine rank that never joined the NCCL
         communicator); the group is then unusable: close it and build a new one.
         """
-        import time
-
-        import torch.distributed as dist
-
         deadline = time.monotonic() + self.group.timeout_s
-        works = [dist.broadcast(t.detach().contiguous(), src=0, group=self._pg, async_op=True) for _, t in tensors]
-        for work in works:
-            wait_until(work, deadline, "the engine's ranks did not take the trainer's broadcast")
+        sent = [t.detach().contiguous() for _, t in tensors]
+        broadcast_by(self._pg, sent, deadline, "the engine's ranks did not take the trainer's broadcast")
 
     def close(self) -> None:
         """Destroy the group."""
@@ -102,23 +149,88 @@ class WeightBroadcaster:
 
 
 def receive(pg: Any, specs: Sequence[TensorSpec], device: str | torch.device = "cpu") -> list[tuple[str, torch.Tensor]]:
-    """Engine side: receive tensors broadcast by rank 0, in ``specs`` order."""
+    """Engine side: receive tensors broadcast by rank 0, in ``specs`` order, by the deadline of
+    the group's ``timeout_s`` (:class:`~rlinfer_core.errors.EngineTimeout` after it; the group is
+    broken then: join a new one). Nothing is written outside the returned tensors."""
     import torch
-    import torch.distributed as dist
 
     from rlinfer_core.transfer.buckets import to_dtype
 
+    timeout_s = _TIMEOUTS.get(pg)
+    if timeout_s is None:
+        raise ValueError("receive() takes a weight group made by create_group (it carries the deadline)")
+    deadline = time.monotonic() + timeout_s
     out = [(s.name, torch.empty(s.shape, dtype=to_dtype(s.dtype), device=device)) for s in specs]
-    works = [dist.broadcast(t, src=0, group=pg, async_op=True) for _, t in out]
-    for work in works:
-        work.wait()
+    broadcast_by(pg, [t for _, t in out], deadline, "the trainer's broadcast did not arrive")
     return out
+
+
+def broadcast_by(pg: Any, tensors: Sequence[torch.Tensor], deadline: float, what: str) -> None:
+    """Broadcast ``tensors`` from rank 0 over ``pg`` (send on rank 0, receive elsewhere) and wait
+    for every one, until ``deadline`` (``time.monotonic()``), in a helper thread (see the module
+    doc). Raises :class:`~rlinfer_core.errors.EngineTimeout` naming how far it got; any failure
+    marks ``pg`` broken."""
+    from rlinfer_core.errors import EngineTimeout, WeightUpdateError
+
+    if pg in _BROKEN:
+        raise WeightUpdateError(f"this weight group is broken ({_BROKEN[pg]}): join a new one")
+    progress = [0, 0]  # broadcasts issued, completed
+    outcome: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+    def run() -> None:
+        import torch
+        import torch.distributed as dist
+
+        try:
+            if tensors and tensors[0].is_cuda:
+                torch.cuda.set_device(tensors[0].device)  # this thread's device: the tensors'
+            works = []
+            for t in tensors:
+                works.append(dist.broadcast(t, src=0, group=pg, async_op=True))
+                progress[0] += 1
+            for work in works:
+                wait_until(work, deadline, what)
+                progress[1] += 1
+            outcome.set_result(None)
+        except BaseException as exc:
+            outcome.set_exception(exc)
+
+    threading.Thread(target=run, name="rlinfer-weight-broadcast", daemon=True).start()
+    try:
+        outcome.result(timeout=max(deadline - time.monotonic(), 0.0) + _REPORT_GRACE_S)
+    except BaseException as exc:
+        stage = _stage(progress[0], progress[1], len(tensors))
+        if not outcome.done():  # the helper thread is still blocked inside torch
+            _BROKEN[pg] = "timed out"
+            raise EngineTimeout(f"{what} before the deadline: {stage}") from None
+        _BROKEN[pg] = f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, EngineTimeout) or _is_store_timeout(exc):
+            raise EngineTimeout(f"{exc}: {stage}") from exc
+        raise
+
+
+def _stage(issued: int, completed: int, total: int) -> str:
+    """Where a broadcast that missed its deadline stood, in words that name the likely cause."""
+    if issued == 0 and total:
+        return (
+            "still inside the first broadcast call, where torch creates the group's communicator "
+            "(NCCL: every rank must reach it; a rank that never did, or NCCL unable to connect the "
+            "ranks; NCCL_DEBUG=INFO tells which)"
+        )
+    return f"{completed} of {total} broadcasts completed ({issued} issued)"
+
+
+def _is_store_timeout(exc: BaseException) -> bool:
+    """torch's store gave up waiting for a key (e.g. rank 0's NCCL id, when rank 0 never
+    broadcast): a timeout of the peer, not a fault of this rank."""
+    import torch.distributed as dist
+
+    store_error = getattr(dist, "DistStoreError", None)
+    return store_error is not None and isinstance(exc, store_error)
 
 
 def wait_until(work: Any, deadline: float, what: str) -> None:
     """Wait for a torch.distributed ``work`` until ``deadline`` (``time.monotonic()``)."""
-    import time
-
     from rlinfer_core.errors import EngineTimeout
 
     remaining = max(deadline - time.monotonic(), 0.001)
