@@ -19,6 +19,7 @@ from rlinfer_core.weights import Buckets, CheckpointDir, NamedTensors, WeightSou
 
 if TYPE_CHECKING:
     from rlinfer_core.engine import Engine
+    from rlinfer_core.transfer.broadcast import WeightBroadcaster
 
 T = TypeVar("T")
 
@@ -28,6 +29,8 @@ DEFAULT_LOGPROB_TOLERANCE = 1e-5
 LOGPROB_TOLERANCE = float(os.environ.get("RLINFER_LOGPROB_TOL", str(DEFAULT_LOGPROB_TOLERANCE)))
 #: every kit operation that runs in a helper thread is bounded by this
 OP_TIMEOUT_S = 120.0
+#: the kit's weight groups: how long each side of a broadcast may wait (BroadcastGroup.timeout_s)
+BROADCAST_TIMEOUT_S = 60.0
 #: small buckets so that a tiny model still spans several of them
 SMALL_BUCKET_BYTES = 64 << 10
 
@@ -116,6 +119,36 @@ def open_or_skip(
         pytest.skip(f"{why}: {exc}")
     report.timings[f"engine_start_{label}"] = time.perf_counter() - started
     return engine
+
+
+def outcome_of(future: concurrent.futures.Future[Any], timeout_s: float = OP_TIMEOUT_S) -> str:
+    """What a helper-thread call came to, in words (its result, its error, or still running)."""
+    try:
+        return f"returned {future.result(timeout=timeout_s)!r}"
+    except concurrent.futures.TimeoutError:
+        if not future.done():
+            return f"still running after {timeout_s:.0f} s more"
+        return f"raised {type(future.exception()).__name__}: {future.exception()}"
+    except Exception as exc:
+        return f"raised {type(exc).__name__}: {exc}"
+
+
+def generate_unless_wedged(
+    world: KitWorld, requests: list[GenerateRequest], wedged: list[BaseException]
+) -> list[Completion]:
+    """Generate, unless the engine already timed out or died on an earlier example: then raise
+    that error again at once. hypothesis shrinks a failure by running more examples, and each
+    would wait out ``request_timeout_s`` on a wedged engine (a test that looks hung)."""
+    from rlinfer_core.errors import EngineDead, EngineTimeout
+
+    if wedged:
+        raise wedged[0]
+    try:
+        return world.generate(requests)
+    except (EngineTimeout, EngineDead) as exc:
+        exc.add_note(f"on the requests {requests!r}; later examples raise this again without calling the engine")
+        wedged.append(exc)
+        raise
 
 
 def default_config(model_dir: Path, overrides: Mapping[str, Any]) -> EngineConfig:
@@ -355,26 +388,38 @@ class KitWorld:
             f"missing {list(result.missing)} ({self.architecture})"
         )
 
-    def broadcast_update(self, key: str) -> int:
-        """Send model ``key`` through a fresh group (trainer side is rlinfer_core's): gloo from
-        CPU tensors, or NCCL from the trainer's GPU (``--rlinfer-broadcast-backend``)."""
+    @contextlib.contextmanager
+    def broadcast_sender(self, timeout_s: float = BROADCAST_TIMEOUT_S) -> Iterator[WeightBroadcaster]:
+        """The kit's trainer (rank 0, rlinfer_core's side) of a fresh weight group the engine
+        joined: gloo from CPU tensors, or NCCL from the trainer's GPU (``--rlinfer-broadcast-backend``)."""
         from rlinfer_core.transfer.broadcast import WeightBroadcaster, free_port
         from rlinfer_core.weights import BroadcastGroup
 
         ranks = 1 + self.engine.broadcast_ranks  # trainer + every engine rank (TP workers, pool replicas)
         backend = trainer_side.broadcast_backend()
-        group = BroadcastGroup("127.0.0.1", free_port(), world_size=ranks, backend=backend, timeout_s=60.0)
+        group = BroadcastGroup("127.0.0.1", free_port(), world_size=ranks, backend=backend, timeout_s=timeout_s)
         joined = self.submit(self.engine.init_weight_broadcast, group)
         trainer_side.use_trainer_device()
         sender = WeightBroadcaster(group)
         try:
             joined.result(timeout=OP_TIMEOUT_S)
-            tensors = self.engine.checkpoint_names(trainer_side.to_trainer(self.oracle.named_parameters(key)))
-            pending = self.submit(self.engine.update_weights, sender.source(tensors))
-            sender.send(tensors)
-            return pending.result(timeout=OP_TIMEOUT_S)
+            yield sender
         finally:
             sender.close()
+
+    def broadcast_update(self, key: str) -> int:
+        """Send model ``key`` through a fresh group (:meth:`broadcast_sender`). When the trainer's
+        send misses the group's deadline, the engine's side of it is reported too."""
+        from rlinfer_core.errors import EngineTimeout
+
+        with self.broadcast_sender() as sender:
+            tensors = self.engine.checkpoint_names(trainer_side.to_trainer(self.oracle.named_parameters(key)))
+            pending = self.submit(self.engine.update_weights, sender.source(tensors))
+            try:
+                sender.send(tensors)
+            except EngineTimeout as exc:
+                raise AssertionError(f"trainer side: {exc}\nengine side: {outcome_of(pending)}") from exc
+            return pending.result(timeout=OP_TIMEOUT_S)
 
     def restore(self) -> None:
         """Serve the base weights again (no-op when already served)."""

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from rlinfer_conformance.checks import check_batch, parity_applies
 from rlinfer_conformance.strategies import valid_requests
-from rlinfer_conformance.world import LOGPROB_TOLERANCE, KitWorld
+from rlinfer_conformance.world import LOGPROB_TOLERANCE, KitWorld, generate_unless_wedged
 from rlinfer_core.types import Capability, ChatMessage, FinishReason, GenerateRequest, SamplingParams
 
 __all__ = [
@@ -47,10 +47,11 @@ def test_greedy_matches_oracle_at_start(rlinfer_world: KitWorld) -> None:
 def test_generate_contract_properties(rlinfer_world: KitWorld) -> None:
     caps = rlinfer_world.engine.capabilities
     worst = [0.0, 0.0]
+    wedged: list[BaseException] = []
 
     @given(st.lists(valid_requests(caps, rlinfer_world.vocab_size), min_size=1, max_size=3))
     def prop(requests: list[GenerateRequest]) -> None:
-        completions = rlinfer_world.generate(requests)
+        completions = generate_unless_wedged(rlinfer_world, requests, wedged)
         check_batch(rlinfer_world, requests, completions)
         by_id = {r.request_id: r for r in requests}
         for c in completions:

@@ -9,8 +9,8 @@ import attrs
 import pytest
 
 from rlinfer_conformance import trainer_side
-from rlinfer_conformance.world import BASE, CUDA_IPC_TRANSPORTS, LOGPROB_TOLERANCE, OTHER, KitWorld
-from rlinfer_core.errors import WeightUpdateError
+from rlinfer_conformance.world import BASE, CUDA_IPC_TRANSPORTS, LOGPROB_TOLERANCE, OP_TIMEOUT_S, OTHER, KitWorld
+from rlinfer_core.errors import EngineTimeout, WeightUpdateError
 from rlinfer_core.types import Capability, Completion, GenerateRequest, MemoryTag, SamplingParams
 from rlinfer_core.weights import Bucket, BucketManifest, Buckets, CheckpointDir, NamedTensors
 
@@ -22,6 +22,7 @@ __all__ = [
     "test_bad_weight_update_keeps_old_weights",
     "test_bench_raw_weight_update",
     "test_gpu_tensors_reach_the_engine_through_cuda_ipc",
+    "test_broadcast_that_never_arrives_fails_by_the_deadline",
 ]
 
 ALL_TRANSPORTS = (
@@ -295,3 +296,33 @@ def test_bench_raw_weight_update(rlinfer_base_weights: KitWorld) -> None:
     if world.supports(Capability.PREFIX_CACHE_RESET):
         world.engine.reset_prefix_cache()  # the raw path leaves the cache to the caller
     world.generate_and_check(None)
+
+
+#: the group's timeout_s in the test of a broadcast that never arrives (the engine's deadline)
+SILENT_TRAINER_TIMEOUT_S = 3.0
+
+
+@pytest.mark.requires(Capability.WEIGHTS_BROADCAST)
+@pytest.mark.hooks("rlinfer_update_weights", "rlinfer_init_weight_broadcast")
+def test_broadcast_that_never_arrives_fails_by_the_deadline(rlinfer_base_weights: KitWorld) -> None:
+    """A trainer that joins the weight group but never sends: the engine's update ends with a
+    typed error by the group's deadline (no rank waits without one), the engine serves the
+    weights and version it had, and the next broadcast update (a new group) lands."""
+    import time
+
+    world = rlinfer_base_weights
+    before = world.engine.weight_version
+    with world.broadcast_sender(timeout_s=SILENT_TRAINER_TIMEOUT_S) as sender:
+        tensors = world.engine.checkpoint_names(world.oracle.named_parameters(OTHER))
+        started = time.monotonic()
+        pending = world.submit(world.engine.update_weights, sender.source(tensors))
+        with pytest.raises((WeightUpdateError, EngineTimeout)) as failed:
+            pending.result(timeout=OP_TIMEOUT_S)
+        waited = time.monotonic() - started
+    assert waited < SILENT_TRAINER_TIMEOUT_S + 30, (
+        f"the engine waited {waited:.1f} s for a {SILENT_TRAINER_TIMEOUT_S} s group"
+    )
+    assert "did not arrive" in str(failed.value), failed.value
+    assert world.engine.weight_version == before
+    world.generate_and_check("after_broadcast_that_never_arrived")
+    world.update(Capability.WEIGHTS_BROADCAST, OTHER)
