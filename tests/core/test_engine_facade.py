@@ -384,3 +384,34 @@ def test_an_online_quantized_engine_needs_quantized_reload() -> None:
         await engine.shutdown()
 
     run(body())
+
+
+def test_a_backend_property_that_raises_before_start_is_not_run_at_registration(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Older pluggy ``getattr``s every attribute when it looks for hook implementations; the pool's
+    properties raise until it has started (the GPU machine's pluggy failed to register the pool).
+    The project's manager skips properties, so registering such a backend works on any pluggy:
+    checked here under a stand-in for the old lookup."""
+    from rlinfer_core.hookspecs import PluginManager
+
+    newer_lookup = pluggy.PluginManager.parse_hookimpl_opts
+
+    def older_pluggys_lookup(self: Any, plugin: Any, name: str) -> Any:
+        getattr(plugin, name)  # what pluggy did before it read attributes statically
+        return newer_lookup(self, plugin, name)
+
+    monkeypatch.setattr(pluggy.PluginManager, "parse_hookimpl_opts", older_pluggys_lookup)
+
+    class NotStartedDouble:
+        @property
+        def replicas(self) -> Any:
+            raise EngineDead("the pool has not started")
+
+        @hookimpl
+        def rlinfer_capabilities(self) -> Any:
+            return None
+
+    manager = PluginManager()
+    manager.register(NotStartedDouble(), name="double")
+    assert [impl.plugin_name for impl in manager.hook.rlinfer_capabilities.get_hookimpls()] == ["double"]

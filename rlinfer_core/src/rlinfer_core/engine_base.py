@@ -8,8 +8,6 @@ import contextlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
-import pluggy
-
 from rlinfer_core import hookspecs
 from rlinfer_core.admission import Admission
 from rlinfer_core.agent import check_agent_request, derive_capabilities
@@ -45,8 +43,7 @@ class EngineBase:
         self._backend: Backend = check_backend(info.name, backend)
         # pluggy checks the backend's hookimpl signatures against the hookspecs at registration;
         # the facade then calls the typed methods. Observers live apart and cannot take them over.
-        self._pm = pluggy.PluginManager(hookspecs.PROJECT)
-        self._pm.add_hookspecs(hookspecs)
+        self._pm = hookspecs.PluginManager()
         self._pm.register(backend, name=f"backend:{info.name}")
         self._observers = Observers(plugins, entry_point_plugins)
         self._admission = Admission()

@@ -24,6 +24,8 @@ static conformance gate.
 
 from __future__ import annotations
 
+import inspect
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
@@ -50,6 +52,24 @@ if TYPE_CHECKING:
 PROJECT = "rlinfer"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+class PluginManager(pluggy.PluginManager):
+    """pluggy's manager for this project's hooks. It looks for hook implementations without
+    running properties, as pluggy >= 1.6 does: older versions ``getattr`` every attribute of a
+    plugin at registration, so a property that raises until its plugin has started (the pool's
+    replicas) made registering it fail."""
+
+    def __init__(self) -> None:
+        super().__init__(PROJECT)
+        self.add_hookspecs(sys.modules[__name__])
+
+    def parse_hookimpl_opts(self, plugin: object, name: str) -> pluggy.HookimplOpts | None:
+        """pluggy's, except that properties are never hook implementations (nor evaluated)."""
+        if isinstance(inspect.getattr_static(plugin, name, None), property):
+            return None
+        return super().parse_hookimpl_opts(plugin, name)
+
 
 #: the attribute :func:`optional` sets on a hookspec: the capabilities the hook backs
 OPTIONAL_MARK = "rlinfer_optional"

@@ -37,8 +37,7 @@ class Observers:
     """The observer plugins of one engine, and a safe way to tell them about events."""
 
     def __init__(self, plugins: Iterable[Any] = (), entry_point_plugins: Iterable[Any] = ()) -> None:
-        self._pm = pluggy.PluginManager(hookspecs.PROJECT)
-        self._pm.add_hookspecs(hookspecs)
+        self._pm = hookspecs.PluginManager()
         for plugin in entry_point_plugins:
             refused = operation_hooks_of(self._pm, plugin)
             if refused:  # one bad installed plugin must not stop every engine

@@ -137,6 +137,17 @@ def test_a_parameter_with_its_own_loader_gets_no_slice() -> None:
     assert set(checkpoint_shapes(tied=False)) - set(plan.views) == {"model.norm.weight"}
 
 
+def test_scalar_parameters_of_an_fp8_engine_do_not_break_the_plan() -> None:
+    """An online-FP8 engine has 0-d parameters (the KV cache's ``k_scale``/``v_scale``, a fused
+    layer's per-tensor scale): planning must not index their shape (on the H100 it raised
+    IndexError and failed the update instead of falling back)."""
+    model = CausalLMDouble(tied=False)
+    attention = model.model.layers[0].self_attn
+    attention.k_scale = torch.nn.Parameter(torch.tensor(1.0), requires_grad=False)
+    attention.qkv_proj.input_scale = torch.nn.Parameter(torch.tensor(1.0), requires_grad=False)
+    assert set(checkpoint_shapes(tied=False)) <= set(parameter_views(model).views)
+
+
 def test_fused_sizes_other_than_the_parameter_rows_give_no_slices() -> None:
     model = CausalLMDouble(tied=False)
     model.model.layers[0].mlp.gate_up_proj.output_sizes = [INTER - 2, INTER]  # not what load_weights assumes

@@ -147,7 +147,7 @@ def checkpoint_shapes(model: Any) -> dict[str, tuple[str, list[int]]]:
         fused = next(((f, parts) for f, parts in _FUSED if f".{f}." in f".{name}"), None)
         if fused is not None:
             sizes = [int(s) for s in getattr(module, "output_sizes", ())]
-            if len(sizes) == len(fused[1]) and sum(sizes) == param.shape[0]:
+            if len(sizes) == len(fused[1]) and param.dim() and sum(sizes) == param.shape[0]:
                 for part, size in zip(fused[1], sizes, strict=True):
                     out[name.replace(f".{fused[0]}.", f".{part}.")] = (name, [size, *param.shape[1:]])
             continue  # otherwise not the layout verified: its parts get no slice
@@ -181,7 +181,7 @@ def parameter_views(model: Any) -> SlicePlan:
             continue
         views[name] = tensor.detach()
         whole = params[owner]
-        if owner == name and whole.shape[0] > shape[0]:
+        if owner == name and whole.dim() and len(shape) and whole.shape[0] > shape[0]:  # scalars: FP8 KV scales
             zeroed[name] = whole.detach()[shape[0] :]
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     if tied and "lm_head.weight" in params:  # Qwen2/3 would load the embedding into it as well

@@ -366,7 +366,7 @@ def load(model: Any, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         outcome.update(ok=True, error=None)
     except Exception as exc:  # reported to the caller through the result file
         outcome["error"] = f"{type(exc).__name__}: {exc}"
-        outcome["traceback"] = traceback.format_exc(limit=8)
+        outcome["traceback"] = traceback.format_exc(limit=-10)  # the innermost frames
     result = control.get("result")
     if result:
         Path(f"{result}.{_tp_rank()}").write_text(json.dumps(outcome))
