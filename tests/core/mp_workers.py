@@ -59,3 +59,29 @@ def sender_child(group: Any, tensors: Any, results: Any) -> None:
         results.put(("ok", "sent"))
     except BaseException as exc:
         results.put(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def gpu_receiver_child(group: Any, specs: Any, visible: str, default_group: bool, results: Any) -> None:
+    """An engine rank on GPU 0 (2-GPU probe): ``visible`` limits the GPUs this process sees (set
+    before CUDA starts, as vLLM would for its engine processes); ``default_group``: first set up a
+    one-rank NCCL default process group, as vLLM's worker at tensor_parallel_size=1 has one.
+    Reports the received tensors' sums, or the error (which says how far the broadcast got)."""
+    import os
+
+    if visible:
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible
+    try:
+        import torch
+        import torch.distributed as dist
+
+        from rlinfer_core.transfer.broadcast import create_group, destroy_group, free_port, receive
+
+        torch.cuda.set_device(0)
+        if default_group:
+            dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", world_size=1, rank=0)
+        pg = create_group(group, rank=1)
+        got = receive(pg, specs, device="cuda:0")
+        results.put(("ok", [float(t.double().sum()) for _, t in got]))
+        destroy_group(pg)
+    except BaseException as exc:
+        results.put(("error", f"{type(exc).__name__}: {exc}"))
