@@ -47,6 +47,7 @@ import datetime
 import gc
 import itertools
 import json
+import logging
 import platform
 import statistics
 import sys
@@ -54,7 +55,7 @@ import tempfile
 import time
 import traceback
 from array import array
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -211,18 +212,44 @@ def stall(load: Load, u0: float, u1: float) -> dict[str, float]:
     return {"stall_ms": worst * 1e3, "requests": affected, "gc_ms": load.gc_ms(u0, u1)["total"]}
 
 
+class BoundaryTimings(logging.Handler):
+    """vLLM's loads at the engine core's step boundary (rlinfer_vllm.engine_core.step_boundary), as
+    the backend logs them at DEBUG: how long the load waited for the step in flight
+    (``step_wait_s``), took with the cache handling (``boundary_load_s``), and whether it reset
+    the prefix cache; other backends log none."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.rows: list[dict[str, float]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        """Keep the dict argument of a step-boundary record (logging makes a lone dict the args)."""
+        args = record.args if isinstance(record.args, tuple) else (record.args,)
+        self.rows.extend(dict(a) for a in args if isinstance(a, Mapping) and "boundary_load_s" in a)
+
+
+BOUNDARY = BoundaryTimings()
+
+
 async def apply_update(engine: Any, mode: str, weights: Any) -> dict[str, float]:
-    """One update; its window (throughput) and stall window as perf_counter times."""
+    """One update; its window (throughput) and stall window as perf_counter times, and the
+    engine core's step-boundary timings where the backend logged them."""
+    seen = len(BOUNDARY.rows)
     t0 = time.perf_counter()
     if mode == "update":
         await engine.update_weights(weights)
         t1 = time.perf_counter()
-        return {"t0": t0, "t1": t1, "s0": t0, "s1": t1, "update_s": t1 - t0}
-    handle = await engine.stage_weights(weights)
-    t1 = time.perf_counter()
-    await handle.commit()
-    t2 = time.perf_counter()
-    return {"t0": t0, "t1": t1, "s0": t1, "s1": t2, "stage_s": t1 - t0, "update_s": t2 - t1}
+        event = {"t0": t0, "t1": t1, "s0": t0, "s1": t1, "update_s": t1 - t0}
+    else:
+        handle = await engine.stage_weights(weights)
+        t1 = time.perf_counter()
+        await handle.commit()
+        t2 = time.perf_counter()
+        event = {"t0": t0, "t1": t1, "s0": t1, "s1": t2, "stage_s": t1 - t0, "update_s": t2 - t1}
+    for row in BOUNDARY.rows[seen:]:
+        event |= {k: float(v) for k, v in row.items() if k.endswith("_s")}
+        event["prefix_cache_reset"] = float(row.get("prefix_cache_reset", 0.0))
+    return event
 
 
 async def phase_b(
@@ -257,7 +284,8 @@ def analyse_round(
     updates, placebo = [], []
     for e in events:
         s = stall(load, e["s0"], e["s1"])
-        updates.append({k: v for k, v in e.items() if k.endswith("_s")} | s | {"excess_ms": s["stall_ms"] - step_ms})
+        timings = {k: v for k, v in e.items() if k.endswith("_s") or k == "prefix_cache_reset"}
+        updates.append(timings | s | {"excess_ms": s["stall_ms"] - step_ms})
         p0 = a[0] + (e["s0"] - b[0])  # the same offset and length in A
         placebo.append(stall(load, p0, p0 + e["s1"] - e["s0"])["stall_ms"] - step_ms)
     windows = [(e["t0"], e["t1"]) for e in events]
@@ -402,6 +430,9 @@ async def run(args: argparse.Namespace, result: dict[str, Any]) -> None:
         model = make_tiny_model(Path(tempfile.mkdtemp(prefix="stall-")) / "model", seed=0)
     config = engine_config(args, model)
     result["config"] = json.loads(json.dumps(attrs.asdict(config), default=str))
+    backend_log = logging.getLogger(f"rlinfer_{args.backend}.backend")
+    backend_log.setLevel(logging.DEBUG)  # the step-boundary timings (BoundaryTimings)
+    backend_log.addHandler(BOUNDARY)
     engine = await AsyncEngine.open(args.backend, config, load_entry_point_plugins=False)
     try:
         result["versions"] = versions(engine)

@@ -14,8 +14,8 @@ milliseconds per update. Here the engine core does the same in one utility call:
    KV caches are kept);
 2. once no step is in flight (vLLM's own idle callbacks, as its ``pause_scheduler`` waits; at
    once when none is), the worker method runs on every worker (``collective_rpc("rlinfer_call")``);
-3. the prefix cache is reset if a request waits unprefilled (it was salted with the old version,
-   :mod:`rlinfer_vllm.versions`, and would read old blocks), the encoder cache on request;
+3. the prefix cache is reset if a request waits without a token (it was salted with the old
+   version, :mod:`rlinfer_vllm.versions`, and would read old blocks), the encoder cache on request;
 4. the scheduler resumes, and the reply goes out before the outputs of any later step.
 
 The engine core answers utility calls and step outputs over one socket in the order it made them,
@@ -52,9 +52,11 @@ def call_at_step_boundary(
 ) -> Any:
     """``engine``'s utility (see the module docstring): every worker's outcome of
     ``RLInferWorkerExtension.<method>(*args)`` (:mod:`rlinfer_vllm.ranks`), whether every rank
-    loaded, and whether the prefix cache was reset, as ``{"outcomes": [...], "loaded": bool,
-    "prefix_cache_reset": bool}``; a ``concurrent.futures.Future`` of it while a step is still in
-    flight (vLLM replies when it completes)."""
+    loaded, whether the prefix cache was reset, and how long the load waited for the step in
+    flight and took, as ``{"outcomes": [...], "loaded": bool, "prefix_cache_reset": bool,
+    "timings": {"step_wait_s", "boundary_load_s"}}``; a ``concurrent.futures.Future`` of it while a
+    step is still in flight (vLLM replies when it completes)."""
+    import time
     from concurrent.futures import Future
 
     from vllm.v1.core.sched.interface import PauseState
@@ -63,17 +65,20 @@ def call_at_step_boundary(
     if scheduler.pause_state != PauseState.UNPAUSED:
         raise RuntimeError("the scheduler is paused already: the load needs no step boundary")
     scheduler.set_pause_state(PauseState.PAUSED_ALL)
+    called = time.perf_counter()
 
     def load() -> dict[str, Any]:
+        started = time.perf_counter()
         try:
             outcomes = engine.collective_rpc("rlinfer_call", timeout=timeout_s, args=(method, *args))
             loaded = all(outcome["ok"] for outcome in outcomes)  # rlinfer_vllm.ranks
-            reset = loaded and bool(waiting_requests(scheduler))
+            reset = loaded and any(not_started(request) for request in waiting_requests(scheduler))
             if reset and not engine.reset_prefix_cache():  # running requests hold blocks: recompute them
                 engine.reset_prefix_cache(reset_running_requests=True)
             if loaded and reset_encoder_cache:
                 engine.reset_encoder_cache()
-            return {"outcomes": outcomes, "loaded": loaded, "prefix_cache_reset": reset}
+            timings = {"step_wait_s": started - called, "boundary_load_s": time.perf_counter() - started}
+            return {"outcomes": outcomes, "loaded": loaded, "prefix_cache_reset": reset, "timings": timings}
         finally:
             scheduler.set_pause_state(PauseState.UNPAUSED)
 
@@ -97,9 +102,15 @@ def call_at_step_boundary(
 
 
 def waiting_requests(scheduler: Any) -> list[Any]:
-    """Requests the scheduler has not started (or preempted): they look up the prefix cache when
-    they are scheduled."""
+    """Requests waiting to be scheduled (new or preempted): they look up the prefix cache then."""
     return [*scheduler.waiting, *getattr(scheduler, "skipped_waiting", ())]
+
+
+def not_started(request: Any) -> bool:
+    """Whether ``request`` has no token yet: admitted under the old version's salt, it would
+    prefill with the new weights and could read blocks the old ones computed. (A preempted request
+    with tokens finds its own old blocks: the KV a running request keeps across a load anyway.)"""
+    return int(request.num_output_tokens) == 0
 
 
 __all__ = ["READY", "UTILITY", "call_at_step_boundary", "register"]

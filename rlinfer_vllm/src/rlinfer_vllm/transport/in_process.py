@@ -355,7 +355,8 @@ class InProcessTransport(LoraAdapters, RawBaseline, Generation):
             # outputs that arrived meanwhile
             logger.warning("weight version %d labelled after the load's reply, not at it", version)
             versions.version = version
-        logger.debug("step-boundary load: prefix cache reset: %s", reply["prefix_cache_reset"])
+        reset = float(reply["prefix_cache_reset"])
+        logger.debug("step-boundary load: %s", {**reply["timings"], "prefix_cache_reset": reset})
         return rank_zero_result(method, reply["outcomes"], llm.vllm_config.parallel_config.world_size)
 
     async def label_version(self, version: int) -> None:
