@@ -176,21 +176,27 @@ def broadcast_by(pg: Any, tensors: Sequence[torch.Tensor], deadline: float, what
         raise WeightUpdateError(f"this weight group is broken ({_BROKEN[pg]}): join a new one")
     progress = [0, 0]  # broadcasts issued, completed
     outcome: concurrent.futures.Future[None] = concurrent.futures.Future()
+    # NCCL orders a collective after the work queued on the issuing thread's current stream, and
+    # a wait orders that stream after it: the helper thread takes the caller's device and stream
+    stream = _current_stream(tensors)
 
     def run() -> None:
+        import contextlib
+
         import torch
         import torch.distributed as dist
 
         try:
-            if tensors and tensors[0].is_cuda:
-                torch.cuda.set_device(tensors[0].device)  # this thread's device: the tensors'
-            works = []
-            for t in tensors:
-                works.append(dist.broadcast(t, src=0, group=pg, async_op=True))
-                progress[0] += 1
-            for work in works:
-                wait_until(work, deadline, what)
-                progress[1] += 1
+            if stream is not None:
+                torch.cuda.set_device(stream.device)
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                works = []
+                for t in tensors:
+                    works.append(dist.broadcast(t, src=0, group=pg, async_op=True))
+                    progress[0] += 1
+                for work in works:
+                    wait_until(work, deadline, what)
+                    progress[1] += 1
             outcome.set_result(None)
         except BaseException as exc:
             outcome.set_exception(exc)
@@ -207,6 +213,15 @@ def broadcast_by(pg: Any, tensors: Sequence[torch.Tensor], deadline: float, what
         if isinstance(exc, EngineTimeout) or _is_store_timeout(exc):
             raise EngineTimeout(f"{exc}: {stage}") from exc
         raise
+
+
+def _current_stream(tensors: Sequence[torch.Tensor]) -> Any:
+    """The calling thread's current CUDA stream on the tensors' device (None for CPU tensors)."""
+    if not tensors or not tensors[0].is_cuda:
+        return None
+    import torch
+
+    return torch.cuda.current_stream(tensors[0].device)
 
 
 def _stage(issued: int, completed: int, total: int) -> str:
