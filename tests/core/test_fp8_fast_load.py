@@ -22,6 +22,7 @@ from causal_lm_layout import (  # noqa: E402
     PlainDouble,
     Q,
     fp8_quant_double,
+    one_layer_shapes,
     snapshot,
 )
 
@@ -39,18 +40,7 @@ BF16 = torch.bfloat16
 P = "model.layers.0"
 PADDED = VOCAB + 6  # the embedding's rows in the engine: the checkpoint's VOCAB, then padding
 PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-SHAPES = {
-    "model.embed_tokens.weight": (VOCAB, HIDDEN),
-    f"{P}.self_attn.q_proj.weight": (Q, HIDDEN),
-    f"{P}.self_attn.k_proj.weight": (KV, HIDDEN),
-    f"{P}.self_attn.v_proj.weight": (KV, HIDDEN),
-    f"{P}.self_attn.o_proj.weight": (HIDDEN, Q),
-    f"{P}.mlp.gate_proj.weight": (INTER, HIDDEN),
-    f"{P}.mlp.up_proj.weight": (INTER, HIDDEN),
-    f"{P}.mlp.down_proj.weight": (HIDDEN, INTER),
-    f"{P}.input_layernorm.weight": (HIDDEN,),
-    "lm_head.weight": (VOCAB, HIDDEN),
-}
+SHAPES = one_layer_shapes()
 SPECS = {name: (BF16, shape) for name, shape in SHAPES.items()}
 
 

@@ -32,6 +32,7 @@ from causal_lm_layout import (  # noqa: E402
     PlainDouble,
     Q,
     fp8_quant_double,
+    linear_shapes,
     param,
     reference_load,
     snapshot,
@@ -100,15 +101,7 @@ FP8_PARTS = {
     f"{P}.mlp.gate_up_proj": ("gate_proj", "up_proj"),
     f"{P}.mlp.down_proj": ("down_proj",),
 }
-SHAPES = {
-    f"{P}.self_attn.q_proj.weight": (Q, HIDDEN),
-    f"{P}.self_attn.k_proj.weight": (KV, HIDDEN),
-    f"{P}.self_attn.v_proj.weight": (KV, HIDDEN),
-    f"{P}.self_attn.o_proj.weight": (HIDDEN, Q),
-    f"{P}.mlp.gate_proj.weight": (INTER, HIDDEN),
-    f"{P}.mlp.up_proj.weight": (INTER, HIDDEN),
-    f"{P}.mlp.down_proj.weight": (HIDDEN, INTER),
-}
+SHAPES = linear_shapes(P)
 PLAIN = {
     "model.embed_tokens.weight": (VOCAB, HIDDEN),
     f"{P}.self_attn.q_proj.bias": (Q,),

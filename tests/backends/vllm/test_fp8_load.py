@@ -22,6 +22,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from causal_lm_layout import HIDDEN, INTER, KV, VOCAB, Q, one_layer_shapes  # noqa: E402
+
 from rlinfer_core.errors import WeightUpdateError  # noqa: E402
 from rlinfer_vllm.worker import fp8_load  # noqa: E402
 from rlinfer_vllm.worker.fp8_load import (  # noqa: E402
@@ -33,7 +35,6 @@ from rlinfer_vllm.worker.fp8_load import (  # noqa: E402
     route,
 )
 
-HIDDEN, Q, KV, INTER, VOCAB = 8, 8, 4, 12, 10
 BF16 = torch.bfloat16
 
 
@@ -103,18 +104,7 @@ class Fp8CausalLMDouble(torch.nn.Module):
 
 
 P = "model.layers.0"
-SHAPES = {
-    "model.embed_tokens.weight": (VOCAB, HIDDEN),
-    f"{P}.self_attn.q_proj.weight": (Q, HIDDEN),
-    f"{P}.self_attn.k_proj.weight": (KV, HIDDEN),
-    f"{P}.self_attn.v_proj.weight": (KV, HIDDEN),
-    f"{P}.self_attn.o_proj.weight": (HIDDEN, Q),
-    f"{P}.mlp.gate_proj.weight": (INTER, HIDDEN),
-    f"{P}.mlp.up_proj.weight": (INTER, HIDDEN),
-    f"{P}.mlp.down_proj.weight": (HIDDEN, INTER),
-    f"{P}.input_layernorm.weight": (HIDDEN,),
-    "lm_head.weight": (VOCAB, HIDDEN),
-}
+SHAPES = one_layer_shapes()
 SPECS = {name: (BF16, shape) for name, shape in SHAPES.items()}
 
 

@@ -21,6 +21,31 @@ FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate
 FUSED["up_proj"] = "gate_up_proj"
 
 
+def linear_shapes(layer: str = "model.layers.0") -> dict[str, tuple[int, ...]]:
+    """The checkpoint shapes of one layer's linear weights (q/k/v, o, gate/up, down)."""
+    return {
+        f"{layer}.self_attn.q_proj.weight": (Q, HIDDEN),
+        f"{layer}.self_attn.k_proj.weight": (KV, HIDDEN),
+        f"{layer}.self_attn.v_proj.weight": (KV, HIDDEN),
+        f"{layer}.self_attn.o_proj.weight": (HIDDEN, Q),
+        f"{layer}.mlp.gate_proj.weight": (INTER, HIDDEN),
+        f"{layer}.mlp.up_proj.weight": (INTER, HIDDEN),
+        f"{layer}.mlp.down_proj.weight": (HIDDEN, INTER),
+    }
+
+
+def one_layer_shapes() -> dict[str, tuple[int, ...]]:
+    """The checkpoint shapes of a one-layer model: embedding, the layer's linear weights and input
+    norm, an untied head."""
+    layer = "model.layers.0"
+    return {
+        "model.embed_tokens.weight": (VOCAB, HIDDEN),
+        **linear_shapes(layer),
+        f"{layer}.input_layernorm.weight": (HIDDEN,),
+        "lm_head.weight": (VOCAB, HIDDEN),
+    }
+
+
 def param(*shape: int, fill: float = 0.0) -> Any:
     """A frozen parameter of ``shape`` filled with ``fill``."""
     return torch.nn.Parameter(torch.full(shape, fill), requires_grad=False)

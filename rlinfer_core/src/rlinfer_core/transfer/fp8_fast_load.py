@@ -80,6 +80,32 @@ def fp8_layer(
     return Fp8Layer(module, parts, heights, int(cols), dtype, codes, scale)
 
 
+def linear_layers(
+    model: Any,
+    accept: Callable[[Any], bool],
+    problem: Callable[[Any], str | None],
+    fused: Mapping[str, Sequence[str]],
+    specs: Specs | None = None,
+) -> list[Fp8Layer]:
+    """Every module of ``model`` that ``accept`` takes, as an :class:`Fp8Layer` (its FP8 codes
+    stored transposed, ``weight.t()`` the ``[out, in]`` rows; ``logical_widths`` rows per part);
+    ``fused``: a fused module's leaf name -> its parts' leaves in row order (an unfused layer is its
+    own part). ValueError naming the module when it has a ``problem`` (see :func:`fp8_layer`)."""
+    layers = []
+    for name, module in model.named_modules():
+        if not accept(module):
+            continue
+        why = problem(module)
+        if why is not None:
+            raise ValueError(f"{name}: {why}")
+        leaf = name.rpartition(".")[2]
+        rows = getattr(module, "logical_widths", [module.output_size_per_partition])
+        cols, dtype = int(module.input_size_per_partition), getattr(module, "orig_dtype", None)
+        parts = fused.get(leaf, (leaf,))
+        layers.append(fp8_layer(name, parts, rows, cols, module.weight.t(), module.weight_scale, dtype, specs))
+    return layers
+
+
 @attrs.frozen(eq=False)
 class Fp8Plan:
     """Where each checkpoint name goes: an FP8 layer's part (``by_part``), a parameter slice

@@ -108,22 +108,11 @@ def layer_problem(module: Any) -> str | None:
 
 def build_plan(model: Any) -> Fp8Plan:
     """The plan for ``model``; ValueError when a module or layer is not what this module knows."""
-    from rlinfer_core.transfer.fp8_fast_load import fp8_layer, make_plan
+    from rlinfer_core.transfer.fp8_fast_load import linear_layers, make_plan
     from rlinfer_sglang.scheduler.fast_load import parameter_views
     from rlinfer_sglang.scheduler.loader import _FUSED
 
-    fused = dict(_FUSED)
-    layers = []
-    for name, module in model.named_modules():
-        if not is_online_fp8(module):
-            continue
-        why = layer_problem(module)
-        if why is not None:
-            raise ValueError(f"{name}: {why}")
-        leaf = name.rpartition(".")[2]
-        parts = fused.get(leaf, (leaf,))
-        codes, scale, cols = module.weight.t(), module.weight_scale, int(module.input_size_per_partition)
-        layers.append(fp8_layer(name, parts, module.logical_widths, cols, codes, scale, module.orig_dtype))
+    layers = linear_layers(model, is_online_fp8, layer_problem, dict(_FUSED))
     if not layers:
         raise ValueError("no online-FP8 layer")
     plain = parameter_views(model)

@@ -71,7 +71,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from rlinfer_core.transfer.fp8_fast_load import Fp8FastLoader as CoreFp8FastLoader
-from rlinfer_core.transfer.fp8_fast_load import Fp8Layer, Fp8Plan, Quantize, fp8_layer, make_plan
+from rlinfer_core.transfer.fp8_fast_load import Fp8Layer, Fp8Plan, Quantize, linear_layers, make_plan
 from rlinfer_core.transfer.fp8_fast_load import merged_input as merged_input  # re-exported (tests)
 from rlinfer_core.transfer.fp8_fast_load import route as route  # re-exported (tests)
 
@@ -167,19 +167,7 @@ def plan_layers(
     order: dict[str, list[str]] = {}  # fused module leaf -> its parts' leaves in row order
     for part_leaf, (fused, _) in sorted(fused_parts(model).items(), key=lambda item: item[1][1]):
         order.setdefault(fused, []).append(part_leaf)
-    layers: list[Fp8Layer] = []
-    for name, module in model.named_modules():
-        if not accept(module):
-            continue
-        why = problem(module)
-        if why is not None:
-            raise ValueError(f"{name}: {why}")
-        leaf = name.rpartition(".")[2]
-        rows = getattr(module, "logical_widths", [module.output_size_per_partition])
-        codes, dtype = module.weight.t(), getattr(module, "orig_dtype", None)
-        cols = int(module.input_size_per_partition)
-        layers.append(fp8_layer(name, order.get(leaf, [leaf]), rows, cols, codes, module.weight_scale, dtype, specs))
-    return layers
+    return linear_layers(model, accept, problem, order, specs)
 
 
 def build_plan(
