@@ -73,7 +73,7 @@ class StagingHooks:
 
     @hookimpl
     async def rlinfer_commit_staged_weights(self, staging_id: str, version: int) -> None:
-        """Load the staged tensors while the scheduler is paused; tokens after it are ``version``."""
+        """Load the staged tensors with no engine step overlapping; tokens after it are ``version``."""
         with failures_typed("load the staged update"):
             async with self._loading(version) as rpc:
                 worker = await rpc("rlinfer_commit_staged", staging_id)
