@@ -80,6 +80,20 @@ def fp8_layer(
     return Fp8Layer(module, parts, heights, int(cols), dtype, codes, scale)
 
 
+def codes_problem(module: Any) -> str | None:
+    """Why a linear layer's live ``weight`` is not its FP8 codes stored transposed (E4M3
+    ``[in, out]``, the transpose of a contiguous ``[out, in]``, unpadded), as both engines keep
+    them after online quantization (None: it is)."""
+    import torch
+
+    rows, cols = int(module.output_size_per_partition), int(module.input_size_per_partition)
+    weight = module.weight
+    if weight.dtype != torch.float8_e4m3fn or tuple(weight.shape) != (cols, rows) or not weight.t().is_contiguous():
+        layout = f"{weight.dtype} {tuple(weight.shape)} stride {weight.stride()}"
+        return f"weight {layout}, not the transposed E4M3 codes of [{rows}, {cols}] (padded?)"
+    return None
+
+
 def linear_layers(
     model: Any,
     accept: Callable[[Any], bool],

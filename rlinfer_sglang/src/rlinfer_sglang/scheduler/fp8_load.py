@@ -88,17 +88,18 @@ def layer_problem(module: Any) -> str | None:
     """Why an ``Fp8LinearMethod`` layer is not in the layout this module writes (None: it is)."""
     import torch
 
+    from rlinfer_core.transfer.fp8_fast_load import codes_problem
+
     method = module.quant_method
     names = ("is_checkpoint_fp8_serialized", "block_quant", "use_marlin", "use_mxfp8", "cutlass_fp8_supported")
     serialized, block, marlin, mxfp8, cutlass = (getattr(method, name, None) for name in names)
     if serialized is not False or block is not False or marlin is not False or mxfp8 or cutlass is not True:
         flags = dict(zip(names, (serialized, block, marlin, mxfp8, cutlass), strict=True))
         return f"not online per-channel FP8 on cutlass ({flags})"
-    rows, cols = int(module.output_size_per_partition), int(module.input_size_per_partition)
-    weight, scale = module.weight, getattr(module, "weight_scale", None)
-    if weight.dtype != torch.float8_e4m3fn or tuple(weight.shape) != (cols, rows) or not weight.t().is_contiguous():
-        layout = f"{weight.dtype} {tuple(weight.shape)} stride {weight.stride()}"
-        return f"weight {layout}, not the transposed E4M3 codes of [{rows}, {cols}]"
+    codes = codes_problem(module)
+    if codes is not None:
+        return codes
+    rows, scale = int(module.output_size_per_partition), getattr(module, "weight_scale", None)
     if scale is None or tuple(scale.shape) != (1, rows) or scale.dtype != torch.float32:
         return f"weight_scale is not float32 [1, {rows}] (per output channel)"
     if getattr(module, "input_scale", None) is not None:

@@ -71,7 +71,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from rlinfer_core.transfer.fp8_fast_load import Fp8FastLoader as CoreFp8FastLoader
-from rlinfer_core.transfer.fp8_fast_load import Fp8Layer, Fp8Plan, Quantize, linear_layers, make_plan
+from rlinfer_core.transfer.fp8_fast_load import Fp8Layer, Fp8Plan, Quantize, codes_problem, linear_layers, make_plan
 from rlinfer_core.transfer.fp8_fast_load import merged_input as merged_input  # re-exported (tests)
 from rlinfer_core.transfer.fp8_fast_load import route as route  # re-exported (tests)
 
@@ -144,11 +144,10 @@ def layer_problem(module: Any) -> str | None:
     marlin, block = getattr(method, "use_marlin", None), getattr(method, "block_quant", None)
     if kernel not in KERNELS or marlin is not False or block is not False:
         return f"kernel {kernel} (use_marlin={marlin}, block_quant={block})"
-    rows, cols = int(module.output_size_per_partition), int(module.input_size_per_partition)
-    weight, scale = module.weight, getattr(module, "weight_scale", None)
-    if weight.dtype != torch.float8_e4m3fn or tuple(weight.shape) != (cols, rows) or not weight.t().is_contiguous():
-        layout = f"{weight.dtype} {tuple(weight.shape)} stride {weight.stride()}"
-        return f"weight {layout}, not the transposed E4M3 codes of [{rows}, {cols}] (padded?)"
+    codes = codes_problem(module)
+    if codes is not None:
+        return codes
+    scale = getattr(module, "weight_scale", None)
     if scale is None or scale.numel() != 1 or scale.dtype != torch.float32:
         return "weight_scale is not one float32 (per-tensor)"
     if getattr(module, "input_scale", None) is not None or getattr(module, "weight_block_size", None) is not None:
