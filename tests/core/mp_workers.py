@@ -61,11 +61,15 @@ def sender_child(group: Any, tensors: Any, results: Any) -> None:
         results.put(("error", f"{type(exc).__name__}: {exc}"))
 
 
-def gpu_receiver_child(group: Any, specs: Any, visible: str, default_group: bool, results: Any) -> None:
+def gpu_receiver_child(
+    group: Any, specs: Any, visible: str, default_group: bool, results: Any, leave: Any = None
+) -> None:
     """An engine rank on GPU 0 (2-GPU probe): ``visible`` limits the GPUs this process sees (set
     before CUDA starts, as vLLM would for its engine processes); ``default_group``: first set up a
-    one-rank NCCL default process group, as vLLM's worker at tensor_parallel_size=1 has one.
-    Reports the received tensors' sums, or the error (which says how far the broadcast got)."""
+    one-rank NCCL default process group, as vLLM's worker at tensor_parallel_size=1 has one;
+    ``leave`` (an event): keep the group until it is set, as vLLM's worker keeps its side until
+    it joins the next group. Reports the received tensors' sums, or the error (which says how far
+    the broadcast got)."""
     import os
 
     if visible:
@@ -82,6 +86,8 @@ def gpu_receiver_child(group: Any, specs: Any, visible: str, default_group: bool
         pg = create_group(group, rank=1)
         got = receive(pg, specs, device="cuda:0")
         results.put(("ok", [float(t.double().sum()) for _, t in got]))
+        if leave is not None:
+            leave.wait(120)
         destroy_group(pg)
     except BaseException as exc:
         results.put(("error", f"{type(exc).__name__}: {exc}"))

@@ -10,6 +10,12 @@ re-submitted when it ends; arrival times of every delta are kept). Time is cut i
   update added to an ordinary step), the update's duration, and the tokens/s inside the window
   while the update (or the staging) runs, as a ratio to the paired A's tokens/s.
 
+Where the engine core reports when it loaded (vLLM's step-boundary loads, engine clock), each
+update also gets the **boundary gap**: the gap between the last step output before the load and
+the first after it, less A's p50 gap (``boundary_excess_ms``): what the load itself added, free of
+the ordinary long steps that a long window also overlaps (``placebo_boundary_excess_ms``: the gap
+at the same instant of A).
+
 Noise floor: each A is also measured at the same offsets and window lengths as its B's updates
 (``placebo``: the stall and window ratio of nothing), and the A phases' spread is reported.
 
@@ -215,8 +221,8 @@ def stall(load: Load, u0: float, u1: float) -> dict[str, float]:
 class BoundaryTimings(logging.Handler):
     """vLLM's loads at the engine core's step boundary (rlinfer_vllm.engine_core.step_boundary), as
     the backend logs them at DEBUG: how long the load waited for the step in flight
-    (``step_wait_s``), took with the cache handling (``boundary_load_s``), and whether it reset
-    the prefix cache; other backends log none."""
+    (``step_wait_s``), took with the cache handling (``boundary_load_s``), and how many waiting
+    requests it salted with the new weight epoch (``resalted``); other backends log none."""
 
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
@@ -247,8 +253,8 @@ async def apply_update(engine: Any, mode: str, weights: Any) -> dict[str, float]
         t2 = time.perf_counter()
         event = {"t0": t0, "t1": t1, "s0": t1, "s1": t2, "stage_s": t1 - t0, "update_s": t2 - t1}
     for row in BOUNDARY.rows[seen:]:
-        event |= {k: float(v) for k, v in row.items() if k.endswith("_s")}
-        event["prefix_cache_reset"] = float(row.get("prefix_cache_reset", 0.0))
+        event |= {k: float(v) for k, v in row.items() if k.endswith(("_s", "_t"))}
+        event["resalted"] = float(row.get("resalted", 0.0))
     return event
 
 
@@ -275,6 +281,19 @@ def windows_ratio(load: Load, windows: list[tuple[float, float]], reference_tok_
     return sum(window_tokens(load, u0, u1) for u0, u1 in windows) / seconds / reference_tok_s
 
 
+def boundary_gap(load: Load, t0: float, t1: float) -> float | None:
+    """The gap (ms) between the engine's last step output before ``t0`` and its first after
+    ``t1`` (engine clock only: one series of step stamps): the step boundary a load held."""
+    if len(load.times) != 1:
+        return None
+    times = load.times[0]
+    after = bisect.bisect_left(times, t1)
+    before = bisect.bisect_right(times, t0) - 1
+    if before < 0 or after >= len(times):
+        return None
+    return (times[after] - times[before]) * 1e3
+
+
 def analyse_round(
     load: Load, a: tuple[float, float], b: tuple[float, float], events: list[dict[str, float]]
 ) -> dict[str, Any]:
@@ -284,10 +303,17 @@ def analyse_round(
     updates, placebo = [], []
     for e in events:
         s = stall(load, e["s0"], e["s1"])
-        timings = {k: v for k, v in e.items() if k.endswith("_s") or k == "prefix_cache_reset"}
+        timings = {k: v for k, v in e.items() if k.endswith("_s") or k == "resalted"}
         updates.append(timings | s | {"excess_ms": s["stall_ms"] - step_ms})
         p0 = a[0] + (e["s0"] - b[0])  # the same offset and length in A
         placebo.append(stall(load, p0, p0 + e["s1"] - e["s0"])["stall_ms"] - step_ms)
+        if "load_start_t" in e:  # the gap around the load itself, and the same instant in A
+            gap = boundary_gap(load, e["load_start_t"], e["load_end_t"])
+            q0 = a[0] + (e["load_start_t"] - b[0])
+            calm = boundary_gap(load, q0, q0 + e["load_end_t"] - e["load_start_t"])
+            if gap is not None and calm is not None:
+                updates[-1] |= {"boundary_gap_ms": gap, "boundary_excess_ms": gap - step_ms}
+                updates[-1]["placebo_boundary_excess_ms"] = calm - step_ms
     windows = [(e["t0"], e["t1"]) for e in events]
     shifted = [(a[0] + u0 - b[0], a[0] + u1 - b[0]) for u0, u1 in windows]
     return {
@@ -323,6 +349,10 @@ def summarise(rounds: list[dict[str, Any]], on_gpu: bool) -> dict[str, Any]:
     }
     if "stage_s" in ups[0]:
         out["stage_ms"] = spread([u["stage_s"] * 1e3 for u in ups])
+    at_boundary = [u for u in ups if "boundary_excess_ms" in u]
+    if at_boundary:  # the step gap that held the load, against the same instant of an undisturbed phase
+        out["boundary_excess_ms"] = spread([u["boundary_excess_ms"] for u in at_boundary])
+        out["placebo_boundary_excess_ms"] = spread([u["placebo_boundary_excess_ms"] for u in at_boundary])
     if on_gpu:
         out["goal_met"] = {
             "stall": out["stall_excess_ms"]["max"] <= GOAL["stall_excess_ms_max"],

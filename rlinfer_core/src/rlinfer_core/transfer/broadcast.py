@@ -96,11 +96,17 @@ def create_group(group: BroadcastGroup, rank: int) -> Any:
 
 
 def destroy_group(pg: Any) -> None:
-    """Tear a weight group down; a broken one (a broadcast on it failed) is aborted in a daemon
-    thread, waited for at most a few seconds: a rank may still be blocked inside it."""
+    """Tear this process's side of a weight group down, without waiting for the other ranks.
+
+    A gloo group is destroyed. An NCCL group, or a broken one (a broadcast on it failed), is
+    aborted in a daemon thread, waited for at most a few seconds: NCCL's graceful destroy
+    finalizes the communicator with its peers, so a trainer closing its side blocked until an
+    engine rank left the group too (a vLLM worker keeps its side until it joins the next group),
+    and a rank of a broken group may still be blocked inside it. Every broadcast on the group has
+    completed or failed by then (:func:`broadcast_by` waits), so nothing is cut short."""
     import torch.distributed as dist
 
-    if pg not in _BROKEN:
+    if pg not in _BROKEN and dist.get_backend(pg) != "nccl":
         dist.destroy_process_group(pg)
         return
     done = threading.Event()
@@ -111,13 +117,13 @@ def destroy_group(pg: Any) -> None:
         try:
             getattr(c10d, "_abort_process_group", dist.destroy_process_group)(pg)
         except Exception as exc:  # a broken group may refuse even that; nothing else holds it
-            logger.warning("aborting a broken weight group failed: %s", exc)
+            logger.warning("aborting a weight group failed: %s", exc)
         finally:
             done.set()
 
     threading.Thread(target=abort, name="rlinfer-abort-weight-group", daemon=True).start()
     if not done.wait(_ABANDON_WAIT_S):
-        logger.warning("a broken weight group is still being aborted after %.0f s; left behind", _ABANDON_WAIT_S)
+        logger.warning("a weight group is still being aborted after %.0f s; left behind", _ABANDON_WAIT_S)
 
 
 class WeightBroadcaster:
