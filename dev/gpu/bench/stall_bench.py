@@ -221,8 +221,9 @@ def stall(load: Load, u0: float, u1: float) -> dict[str, float]:
 class BoundaryTimings(logging.Handler):
     """vLLM's loads at the engine core's step boundary (rlinfer_vllm.engine_core.step_boundary), as
     the backend logs them at DEBUG: how long the load waited for the step in flight
-    (``step_wait_s``), took with the cache handling (``boundary_load_s``), and how many waiting
-    requests it salted with the new weight epoch (``resalted``); other backends log none."""
+    (``step_wait_s``), took with the cache handling (``boundary_load_s``), when on the engine
+    core's clock (``load_start_t``, ``load_end_t``), and whether it reset the prefix cache; other
+    backends log none."""
 
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
@@ -254,7 +255,7 @@ async def apply_update(engine: Any, mode: str, weights: Any) -> dict[str, float]
         event = {"t0": t0, "t1": t1, "s0": t1, "s1": t2, "stage_s": t1 - t0, "update_s": t2 - t1}
     for row in BOUNDARY.rows[seen:]:
         event |= {k: float(v) for k, v in row.items() if k.endswith(("_s", "_t"))}
-        event["resalted"] = float(row.get("resalted", 0.0))
+        event["prefix_cache_reset"] = float(row.get("prefix_cache_reset", 0.0))
     return event
 
 
@@ -303,7 +304,7 @@ def analyse_round(
     updates, placebo = [], []
     for e in events:
         s = stall(load, e["s0"], e["s1"])
-        timings = {k: v for k, v in e.items() if k.endswith("_s") or k == "resalted"}
+        timings = {k: v for k, v in e.items() if k.endswith("_s") or k == "prefix_cache_reset"}
         updates.append(timings | s | {"excess_ms": s["stall_ms"] - step_ms})
         p0 = a[0] + (e["s0"] - b[0])  # the same offset and length in A
         placebo.append(stall(load, p0, p0 + e["s1"] - e["s0"])["stall_ms"] - step_ms)

@@ -24,7 +24,7 @@ class RawBaseline:
     def _alive(self) -> AsyncLLM:
         raise NotImplementedError
 
-    async def rpc(self, method: str, *args: Any, beside_steps: bool = False) -> Any:
+    async def rpc(self, method: str, *args: Any) -> Any:
         """The transport's worker call."""
         raise NotImplementedError
 

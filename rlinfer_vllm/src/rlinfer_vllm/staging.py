@@ -5,16 +5,14 @@
 Staging sends a part of the update over the transports of an update
 (:func:`rlinfer_vllm.weights.send_source`: shared memory / CUDA IPC, buckets, a directory) into
 ``rlinfer_stage_<transport>`` instead of ``rlinfer_load_<transport>``, without pausing the
-scheduler: requests keep generating on the live weights, beside the copy where the worker runs in
-the engine core's process (``rpc(..., beside_steps=True)``), else between two engine steps.
-Commit is an update's load (:meth:`rlinfer_vllm.weights.WeightHooks._loading`: between two
-engine steps, the version switched at that boundary), from the staged tensors.
+scheduler: vLLM runs the call between engine steps and requests keep generating on the live
+weights. Commit is an update's load (:meth:`rlinfer_vllm.weights.WeightHooks._loading`: between two engine
+steps, the version switched at that boundary), from the staged tensors.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -68,8 +66,9 @@ class StagingHooks:
     async def rlinfer_stage_weights(self, staging_id: str, update: WeightUpdate) -> None:
         """Copy the (validated) part into the worker's staging; generation goes on."""
         with failures_typed("stage the update"):
-            rpc = functools.partial(self._alive().rpc, beside_steps=True)
-            worker = await stage_source(staging_id, update, rpc, engine_gpus(self.config), self._ipc_arena)
+            worker = await stage_source(
+                staging_id, update, self._alive().rpc, engine_gpus(self.config), self._ipc_arena
+            )
         logger.debug("staged under %s: %s", staging_id, worker)
 
     @hookimpl

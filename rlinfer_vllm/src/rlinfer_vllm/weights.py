@@ -108,31 +108,28 @@ class WeightHooks:
           worker call as it is;
         - the engine core loads between two of its steps (in process,
           :mod:`rlinfer_vllm.engine_core.step_boundary`): one call, no round trip between
-          pause, load and resume, and no request held back (the engine core salts the prefixes
-          by weight epoch itself);
+          pause, load and resume;
         - else the scheduler is paused in "keep" mode around the load (three round trips).
         """
         transport = self._alive()
-        async with self._pause_lock:
-            busy = not (transport.gated and self._gate.idle)
-            if self._user_pause is None and version is not None and transport.loads_at_step_boundary and busy:
+        async with self._pause_lock, self._gate.held() as idle:
+            if self._user_pause is not None or (idle and transport.gated):
+                yield transport.rpc
+                await self._after_load(transport, version)
+                return
+            if version is not None and transport.salted:
+                # generation goes on meanwhile; a request still prefilling under the old salt
+                # would make the load reset the cache, preempting every running request
+                await transport.settle_prefills(PREFILL_SETTLE_S)
+            if version is not None and transport.loads_at_step_boundary:
                 yield functools.partial(transport.rpc_at_step_boundary, version=version)
                 return
-            async with self._gate.held() as idle:
-                if self._user_pause is not None or (idle and transport.gated):
-                    yield transport.rpc
-                    await self._after_load(transport, version)
-                    return
-                if version is not None and transport.salted:
-                    # generation goes on meanwhile; a request still prefilling under the old salt
-                    # would make the load reset the cache, preempting every running request
-                    await transport.settle_prefills(PREFILL_SETTLE_S)
-                await transport.pause_for_load()
-                try:
-                    yield transport.rpc
-                    await self._after_load(transport, version)  # before any step runs again
-                finally:
-                    await transport.resume_after_load()
+            await transport.pause_for_load()
+            try:
+                yield transport.rpc
+                await self._after_load(transport, version)  # before any step runs again
+            finally:
+                await transport.resume_after_load()
 
     async def _after_load(self, transport: Transport, version: int | None) -> None:
         """Label later outputs ``version``, and leave no prefix computed by the old weights to a
@@ -183,7 +180,7 @@ class WeightHooks:
         """Checksums computed in the worker over what its kernels serve (see rlinfer_vllm.worker.served)."""
         self._caps.require(Capability.WEIGHTS_CHECKSUM)
         tied = dict(self._info.tied_weights) if self._info is not None else {}
-        return checksums(await self._alive().rpc("rlinfer_weights_checksum", tied, beside_steps=True))
+        return checksums(await self._alive().rpc("rlinfer_weights_checksum", tied))
 
     async def quantized_check(self) -> dict[str, Any]:
         """On an engine started with ``quantization`` (``weights.quantized_reload``): the served

@@ -139,11 +139,8 @@ class Transport(Protocol):
     async def reset_encoder_cache(self) -> None:
         """Drop cached image embeddings."""
 
-    async def rpc(self, method: str, *args: Any, beside_steps: bool = False) -> Any:
-        """Call ``RLInferWorkerExtension.<method>`` in the workers; rank 0's result.
-        ``beside_steps``: a method that does not write the live weights (staging, checksums) may
-        run while the engine keeps stepping, where the transport can
-        (:func:`rlinfer_vllm.engine_core.step_boundary.call_beside_steps`); else between two steps."""
+    async def rpc(self, method: str, *args: Any) -> Any:
+        """Call ``RLInferWorkerExtension.<method>`` in the workers; rank 0's result."""
 
     async def label_version(self, version: int) -> None:
         """Label the tokens of every later engine step with ``version``."""

@@ -394,9 +394,8 @@ class HttpTransport:
 
     # --- weights and memory --------------------------------------------------------------------
 
-    async def rpc(self, method: str, *args: Any, beside_steps: bool = False) -> Any:
-        """``RLInferWorkerExtension.<method>`` through the server's ``/collective_rpc`` (bytes as
-        base64), between two engine steps whatever ``beside_steps`` says."""
+    async def rpc(self, method: str, *args: Any) -> Any:
+        """``RLInferWorkerExtension.<method>`` through the server's ``/collective_rpc`` (bytes as base64)."""
         return await self._alive().rpc(method, *(b64(a) if isinstance(a, bytes) else a for a in args))
 
     async def label_version(self, version: int) -> None:

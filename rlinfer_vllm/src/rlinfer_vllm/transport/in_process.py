@@ -308,21 +308,16 @@ class InProcessTransport(LoraAdapters, RawBaseline, Generation):
 
     # --- weights and memory --------------------------------------------------------------------
 
-    async def rpc(self, method: str, *args: Any, beside_steps: bool = False) -> Any:
+    async def rpc(self, method: str, *args: Any) -> Any:
         """Call ``method`` on every worker (one per tensor-parallel rank); rank 0's result once
-        every rank succeeded (:mod:`rlinfer_vllm.ranks`). ``beside_steps``: through rlinfer's
-        engine-core utility where its plugin answered (:mod:`rlinfer_vllm.engine_core.step_boundary`)."""
-        from rlinfer_vllm.engine_core.step_boundary import BESIDE_STEPS
+        every rank succeeded (:mod:`rlinfer_vllm.ranks`)."""
         from rlinfer_vllm.ranks import rank_zero_result
 
         llm = self._alive()
-        timeout_s = self.config.request_timeout_s
         try:
-            if beside_steps and self.loads_at_step_boundary:
-                call = llm.engine_core.call_utility_async(BESIDE_STEPS, method, list(args), timeout_s)
-                outcomes = await asyncio.wait_for(call, timeout_s + STEP_BOUNDARY_GRACE_S)
-            else:
-                outcomes = await llm.collective_rpc("rlinfer_call", timeout=timeout_s, args=(method, *args))
+            outcomes = await llm.collective_rpc(
+                "rlinfer_call", timeout=self.config.request_timeout_s, args=(method, *args)
+            )
         except Exception as exc:
             if llm.errored:
                 raise EngineDead(f"the vLLM engine core died during {method}: {exc}") from exc
@@ -360,7 +355,8 @@ class InProcessTransport(LoraAdapters, RawBaseline, Generation):
             # outputs that arrived meanwhile
             logger.warning("weight version %d labelled after the load's reply, not at it", version)
             versions.version = version
-        logger.debug("step-boundary load: %s", {**reply["timings"], "resalted": float(reply["resalted"])})
+        reset = float(reply["prefix_cache_reset"])
+        logger.debug("step-boundary load: %s", {**reply["timings"], "prefix_cache_reset": reset})
         return rank_zero_result(method, reply["outcomes"], llm.vllm_config.parallel_config.world_size)
 
     async def label_version(self, version: int) -> None:

@@ -191,28 +191,6 @@ class RLInferWorkerExtension(StagedWeightsWorker):
             raise ValueError(f"rlinfer_call runs rlinfer_* load methods only, not {method!r}")
         return outcome_of(int(self.rank), lambda: getattr(self, method)(*args))
 
-    def rlinfer_on_side_stream(self, method: str, *args: Any) -> Any:
-        """Run ``rlinfer_<...>`` method ``method`` on a CUDA stream of its own and wait for it, so
-        that it can run in a thread beside the engine's steps
-        (:func:`rlinfer_vllm.engine_core.step_boundary.call_beside_steps`); it starts after the work
-        queued on the current stream (a load's copies). On CPU, the method as it is."""
-        if not method.startswith("rlinfer_") or method in ("rlinfer_call", "rlinfer_http", "rlinfer_on_side_stream"):
-            raise ValueError(f"rlinfer_on_side_stream runs rlinfer_* methods only, not {method!r}")
-        run = getattr(self, method)
-        if not self._rlinfer_on_cuda():
-            return run(*args)
-        import torch
-
-        with torch.cuda.device(self.device):
-            side = getattr(self, "_rlinfer_side_stream", None)
-            if side is None:
-                side = self._rlinfer_side_stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-            side.wait_stream(torch.cuda.default_stream())
-            with torch.cuda.stream(side):
-                result = run(*args)
-            side.synchronize()
-        return result
-
     def rlinfer_http(self, method: str, *args: Any) -> Any:
         """Entry point for calls through a vLLM server's ``/collective_rpc`` (server mode), whose
         arguments arrive as JSON: ``{"b64": ...}`` arguments are decoded to bytes, and only
