@@ -14,7 +14,7 @@ Where the engine core reports when it loaded (vLLM's step-boundary loads, engine
 update also gets the **boundary gap**: the gap between the last step output before the load and
 the first after it, less A's p50 gap (``boundary_excess_ms``): what the load itself added, free of
 the ordinary long steps that a long window also overlaps (``placebo_boundary_excess_ms``: the gap
-at the same instant of A).
+at the same instant of A; ``a_step_gaps_ms``: the gap at 50 instants of each A).
 
 Noise floor: each A is also measured at the same offsets and window lengths as its B's updates
 (``placebo``: the stall and window ratio of nothing), and the A phases' spread is reported.
@@ -308,10 +308,10 @@ def analyse_round(
         updates.append(timings | s | {"excess_ms": s["stall_ms"] - step_ms})
         p0 = a[0] + (e["s0"] - b[0])  # the same offset and length in A
         placebo.append(stall(load, p0, p0 + e["s1"] - e["s0"])["stall_ms"] - step_ms)
-        if "load_start_t" in e:  # the gap around the load itself, and the same instant in A
+        if "load_start_t" in e:  # the gap around the load itself, and the gap at the same instant of A
             gap = boundary_gap(load, e["load_start_t"], e["load_end_t"])
             q0 = a[0] + (e["load_start_t"] - b[0])
-            calm = boundary_gap(load, q0, q0 + e["load_end_t"] - e["load_start_t"])
+            calm = boundary_gap(load, q0, q0)
             if gap is not None and calm is not None:
                 updates[-1] |= {"boundary_gap_ms": gap, "boundary_excess_ms": gap - step_ms}
                 updates[-1]["placebo_boundary_excess_ms"] = calm - step_ms
@@ -324,7 +324,20 @@ def analyse_round(
         "b_over_a": sb["tok_s"] / sa["tok_s"],
         "window_ratio": windows_ratio(load, windows, sa["tok_s"]) if windows else None,
         "placebo": {"excess_ms": placebo, "window_ratio": windows_ratio(load, shifted, sa["tok_s"])},
+        "a_step_gaps_ms": sampled_step_gaps(load, *a),
     }
+
+
+def sampled_step_gaps(load: Load, t0: float, t1: float, n: int = 50) -> dict[str, float] | None:
+    """The step gap at ``n`` evenly spaced instants of [t0, t1) (engine clock only): how long a
+    gap an instant of an undisturbed phase falls into, which a long step weights by its length."""
+    import numpy as np
+
+    gaps = [boundary_gap(load, t, t) for t in np.linspace(t0, t1, n, endpoint=False)]
+    ms = np.array([g for g in gaps if g is not None])
+    if not ms.size:
+        return None
+    return {"p50": float(np.median(ms)), "p90": float(np.percentile(ms, 90)), "max": float(ms.max()), "n": int(ms.size)}
 
 
 def spread(values: list[float]) -> dict[str, float]:
