@@ -14,7 +14,9 @@
 #                                                            -> $OUT/trl-sync-S.json, .server.log
 #   gpu-paths the kit's weight tests with the trainer's tensors on GPU 1 (CUDA IPC asserted) and
 #            an NCCL broadcast group from GPU 1 into the engine on GPU 0, for every installed
-#            engine side by side (RLINFER_X2_ENGINES)        -> $OUT/conformance-E.{json,log}
+#            engine side by side (RLINFER_X2_ENGINES); uncaptured (NCCL_DEBUG's lines reach the
+#            log) and with every thread's stack after 200 s in one test
+#                                                            -> $OUT/conformance-E.{json,log}
 #   pool     pool_scaling_bench.py: 2 replicas (one GPU each) vs 1, generate scaling (goal >= 1.9x)
 #            and weight sync to 2 vs 1 (goal <= 1.2x), by tensors and disk  -> $OUT/pool-E.{json,log}
 # Environment: RLINFER_X2_ENGINES (tp-kit: default every installed engine), RLINFER_X2_SPLIT,
@@ -134,7 +136,7 @@ for s in "$@"; do
       pids=()
       for e in $(engines); do
         RLINFER_GPU_KIT_SELECT="test_update_to_second_model or test_gpu_tensors_reach or test_transports_give_identical" \
-          RLINFER_GPU_PYTEST_ARGS="--rlinfer-trainer-device cuda:1 --rlinfer-broadcast-backend nccl --rlinfer-architectures llama -v" \
+          RLINFER_GPU_PYTEST_ARGS="--rlinfer-trainer-device cuda:1 --rlinfer-broadcast-backend nccl --rlinfer-architectures llama -v -s -o faulthandler_timeout=200" \
           bash "$HERE/run_suite.sh" "$e" conformance > /dev/null 2>&1 &
         pids+=($!)
       done
