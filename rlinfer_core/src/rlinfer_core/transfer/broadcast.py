@@ -99,11 +99,11 @@ def destroy_group(pg: Any) -> None:
     """Tear this process's side of a weight group down, without waiting for the other ranks.
 
     A gloo group is destroyed. An NCCL group, or a broken one (a broadcast on it failed), is
-    aborted in a daemon thread, waited for at most a few seconds: NCCL's graceful destroy
-    finalizes the communicator with its peers, so a trainer closing its side blocked until an
-    engine rank left the group too (a vLLM worker keeps its side until it joins the next group),
-    and a rank of a broken group may still be blocked inside it. Every broadcast on the group has
-    completed or failed by then (:func:`broadcast_by` waits), so nothing is cut short."""
+    aborted in a daemon thread, waited for at most a few seconds: NCCL's graceful destroy may wait
+    for the other ranks (on two H100s a trainer hung in it while the vLLM worker kept its side of
+    the group, as engines do until they join the next one), and a rank of a broken group may still
+    be blocked inside it. Every broadcast on the group has completed or failed by then
+    (:func:`broadcast_by` waits), so nothing is cut short."""
     import torch.distributed as dist
 
     if pg not in _BROKEN and dist.get_backend(pg) != "nccl":
