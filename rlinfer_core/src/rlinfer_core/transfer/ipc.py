@@ -9,6 +9,7 @@ tensors alive until the receiver is done with them.
 from __future__ import annotations
 
 import io
+import logging
 import pickle
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -42,12 +43,30 @@ def dumps(tensors: Sequence[tuple[str, torch.Tensor]]) -> bytes:
     return buf.getvalue()
 
 
+#: what torch raises when the sender's shared-memory manager (``torch_shm_manager``) does not
+#: answer an attach within its fixed poll timeout: seen on a loaded 2-core host (engines, Ray
+#: replicas and the trainer at once), with nothing attached yet, so attaching again is safe
+MANAGER_TIMEOUT = "Shared memory manager connection has timed out"
+#: attaches tried before the manager's timeout is the caller's error
+ATTACH_TRIES = 3
+
+logger = logging.getLogger(__name__)
+
+
 def loads(payload: bytes) -> list[tuple[str, torch.Tensor]]:
-    """Map tensors serialized by :func:`dumps` (in another process) into this one."""
+    """Map tensors serialized by :func:`dumps` (in another process) into this one; an attach the
+    shared-memory manager did not answer in time is tried again (:data:`MANAGER_TIMEOUT`)."""
     import torch.multiprocessing  # noqa: F401 - registers the tensor reductions
 
-    result: list[tuple[str, torch.Tensor]] = pickle.loads(payload)
-    return result
+    for attempt in range(1, ATTACH_TRIES + 1):
+        try:
+            result: list[tuple[str, torch.Tensor]] = pickle.loads(payload)
+            return result
+        except RuntimeError as exc:
+            if MANAGER_TIMEOUT not in str(exc) or attempt == ATTACH_TRIES:
+                raise
+            logger.warning("attaching shared tensors: torch's shared-memory manager timed out (try %d)", attempt)
+    raise AssertionError("unreachable")
 
 
 def all_cuda(tensors: Sequence[tuple[str, torch.Tensor]]) -> bool:

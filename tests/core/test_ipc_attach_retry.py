@@ -1,0 +1,51 @@
+"""ipc.loads attaches again when torch's shared-memory manager times out (a transient of a loaded
+host), and only then. The failing attach is a test double: an object whose unpickling raises
+torch's error a given number of times."""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import pytest
+
+from rlinfer_core.transfer import ipc
+
+_failures_left: list[int] = [0]
+
+
+def _rebuild(value: Any, message: str) -> Any:
+    if _failures_left[0] > 0:
+        _failures_left[0] -= 1
+        raise RuntimeError(message)
+    return value
+
+
+class FlakyAttachDouble:
+    """Unpickles to ``value`` once ``_failures_left`` attaches have failed with ``message``."""
+
+    def __init__(self, value: Any, message: str = ipc.MANAGER_TIMEOUT) -> None:
+        self.value, self.message = value, message
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, str]]:
+        return _rebuild, (self.value, self.message)
+
+
+def test_a_manager_timeout_is_attached_again() -> None:
+    _failures_left[0] = ipc.ATTACH_TRIES - 1
+    payload = pickle.dumps([("w", FlakyAttachDouble(3))])
+    assert ipc.loads(payload) == [("w", 3)]
+    assert _failures_left[0] == 0
+
+
+def test_a_manager_that_never_answers_fails_after_the_tries() -> None:
+    _failures_left[0] = ipc.ATTACH_TRIES
+    with pytest.raises(RuntimeError, match=ipc.MANAGER_TIMEOUT):
+        ipc.loads(pickle.dumps([("w", FlakyAttachDouble(3))]))
+
+
+def test_another_error_is_not_tried_again() -> None:
+    _failures_left[0] = 1
+    with pytest.raises(RuntimeError, match="unable to mmap"):
+        ipc.loads(pickle.dumps([("w", FlakyAttachDouble(3, "unable to mmap"))]))
+    assert _failures_left[0] == 0
