@@ -55,7 +55,6 @@ def test_trainer_on_gpu1_broadcasts_into_a_rank_on_gpu0(
     torch.cuda.set_device(1)
     sender = WeightBroadcaster(group)
     trainer = "sent"
-    close_s = 0.0
     try:
         try:
             sender.send(tensors)

@@ -313,8 +313,11 @@ def analyse_round(
             q0 = a[0] + (e["load_start_t"] - b[0])
             calm = boundary_gap(load, q0, q0)
             if gap is not None and calm is not None:
-                updates[-1] |= {"boundary_gap_ms": gap, "boundary_excess_ms": gap - step_ms}
-                updates[-1]["placebo_boundary_excess_ms"] = calm - step_ms
+                updates[-1] |= {
+                    "boundary_gap_ms": gap,
+                    "boundary_excess_ms": gap - step_ms,
+                    "placebo_boundary_excess_ms": calm - step_ms,
+                }
     windows = [(e["t0"], e["t1"]) for e in events]
     shifted = [(a[0] + u0 - b[0], a[0] + u1 - b[0]) for u0, u1 in windows]
     return {

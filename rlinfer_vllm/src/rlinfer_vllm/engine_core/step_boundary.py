@@ -78,10 +78,14 @@ def call_at_step_boundary(
                 engine.reset_prefix_cache(reset_running_requests=True)
             if loaded and reset_encoder_cache:
                 engine.reset_encoder_cache()
-            ended = time.perf_counter()
-            # the load's place on the clock of the engine core's output stamps (time.monotonic)
-            at = {"load_start_t": time.monotonic() - (ended - started), "load_end_t": time.monotonic()}
-            timings = {"step_wait_s": started - called, "boundary_load_s": ended - started, **at}
+            took = time.perf_counter() - started
+            now = time.monotonic()  # the clock of the engine core's output stamps
+            timings = {
+                "step_wait_s": started - called,
+                "boundary_load_s": took,
+                "load_start_t": now - took,
+                "load_end_t": now,
+            }
             return {"outcomes": outcomes, "loaded": loaded, "prefix_cache_reset": reset, "timings": timings}
         finally:
             scheduler.set_pause_state(PauseState.UNPAUSED)
