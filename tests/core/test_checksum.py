@@ -60,3 +60,22 @@ def test_fingerprints_in_passes_over_many_tensors(monkeypatch: pytest.MonkeyPatc
     moved = tensors["long"].clone()
     moved[[0, 4096]] = moved[[4096, 0]]  # the same words in other rows
     assert not verify(served, [("long", moved)]).ok
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: run on the device (docs/gpu.md)")
+def test_host_tensors_are_fingerprinted_on_the_gpu_with_the_same_sums(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rlinfer_core import checksum
+
+    monkeypatch.setattr(checksum, "_GROUP_ROWS", 4)  # host runs cross to the GPU in several passes
+    tensors = [torch.randn(100_003), torch.randn(3, 5).to(torch.bfloat16), torch.arange(7).to(torch.int64)]
+    on_gpu = checksum.tensor_checksums([(t.cuda(), None, 0.0, "fp") for t in tensors])
+    passes_on: list[torch.device] = []
+    fingerprints = checksum._fingerprints
+
+    def recorded(runs: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+        passes_on.append(device)
+        return fingerprints(runs, device)
+
+    monkeypatch.setattr(checksum, "_fingerprints", recorded)
+    assert checksum.tensor_checksums([(t, None, 0.0, "fp") for t in tensors]) == on_gpu
+    assert [device.type for device in passes_on] == ["cuda"]

@@ -11,8 +11,10 @@ Two digest algorithms, named by the digest's prefix; the trainer's side is compu
 the engine used, so either side's tensor may live on either device:
 
 - ``b2:`` (tensors on the host): blake2b-128 of the bytes.
-- ``fp:`` (tensors on a GPU): computed where the tensor lives with integer torch ops, so checking a
-  1.26 GB model costs a few passes over GPU memory instead of a copy to the host and a byte hash.
+- ``fp:`` (tensors on a GPU): computed on a GPU with integer torch ops, so checking a 1.26 GB
+  model costs a few passes over GPU memory instead of a copy to the host and a byte hash. A GPU
+  tensor is fingerprinted where it lives; a host tensor (a trainer's CPU copy, a checkpoint read
+  back) on this process's GPU when it has one, in pieces of :data:`_GROUP_ROWS` rows.
   Two position-weighted sums of the bytes read as 32-bit words (16- or 8-bit where the size needs
   it), one modulo ``2^31 - 1`` and one modulo ``2^31 - 19`` with different weights: a change of one
   word always changes it (the difference would have to be a multiple of both primes, larger than
@@ -97,16 +99,26 @@ def _words(data: torch.Tensor) -> torch.Tensor:
     return raw
 
 
-def _fingerprints(runs: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Fingerprint sums ``[2, len(runs)]`` (int64) of word runs on one device, computed in passes
-    over many tensors at once (rows never straddle two tensors); nothing waits for the device.
+def _fingerprint_device(words: torch.Tensor) -> torch.device:
+    """Where ``words`` are fingerprinted: a GPU tensor where it lives, a host tensor on this
+    process's GPU when it has one (the same sums, ~20x faster than on the host)."""
+    import torch
+
+    if words.device.type == "cpu" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return words.device
+
+
+def _fingerprints(runs: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Fingerprint sums ``[2, len(runs)]`` (int64) of word runs, computed on ``device`` in passes
+    over many tensors at once (rows never straddle two tensors; each pass copies its rows there
+    from a run on another device); nothing waits for the device.
 
     Row ``r`` of a run (``_ROW`` words, the last one zero-padded) sums ``word x column weight``;
     the run's sum is ``sum_r (row sum mod p) x (r + 1) mod p`` for each modulus ``p``.
     """
     import torch
 
-    device = runs[0].device
     weights, moduli, zeros = _constants(device)
     chunks: list[tuple[int, int, int]] = []  # (run, first row, rows)
     for index, run in enumerate(runs):
@@ -125,7 +137,7 @@ def _fingerprints(runs: Sequence[torch.Tensor]) -> torch.Tensor:
             owners: list[int] = []
             positions: list[int] = []
             for index, first, rows in group:
-                words = runs[index][first * _ROW : (first + rows) * _ROW].to(torch.int32)
+                words = runs[index][first * _ROW : (first + rows) * _ROW].to(device=device, dtype=torch.int32)
                 parts.append(words)
                 if words.numel() < rows * _ROW:
                     parts.append(zeros[: rows * _ROW - words.numel()])
@@ -159,7 +171,7 @@ def tensor_checksums(items: Sequence[ChecksumItem]) -> list[WeightChecksum]:
 
     bodies: list[str] = []
     metas: list[tuple[str, str, tuple[int, ...], float]] = []
-    runs: dict[str, list[tuple[int, torch.Tensor]]] = {}  # device -> (item, words)
+    runs: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}  # fingerprinted on -> (item, words)
     with torch.no_grad():
         for position, (tensor, dtype, added, algorithm) in enumerate(items):
             target = getattr(torch, dtype) if dtype else tensor.dtype
@@ -171,12 +183,12 @@ def tensor_checksums(items: Sequence[ChecksumItem]) -> list[WeightChecksum]:
             metas.append((kind, str(target).removeprefix("torch."), tuple(tensor.shape), added))
             if kind == "fp" and data.numel():
                 words = _words(data)
-                runs.setdefault(str(words.device), []).append((position, words))
+                runs.setdefault(_fingerprint_device(words), []).append((position, words))
                 bodies.append(f"{words.numel():x}")
             else:
                 bodies.append(_blake2b(data))
-        for found in runs.values():
-            sums = _fingerprints([words for _, words in found]).t().tolist()
+        for device, found in runs.items():
+            sums = _fingerprints([words for _, words in found], device).t().tolist()
             for (position, _), (first, second) in zip(found, sums, strict=True):
                 bodies[position] = f"{first:08x}{second:08x}{bodies[position]}"
     return [
