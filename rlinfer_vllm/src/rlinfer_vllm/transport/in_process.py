@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -42,6 +43,10 @@ logger = logging.getLogger("rlinfer_vllm.backend")
 
 #: how long vLLM's own shutdown may take before rlinfer kills what is left of the engine
 SHUTDOWN_TIMEOUT_S = 30.0
+#: the grace vLLM's process manager gives its engine core before killing it, on CPU: there the
+#: worker process never leaves its busy loop on the engine core's request nor on SIGTERM, so the
+#: engine core waits for it until vLLM's default grace (5 s) ends and both are killed anyway
+CPU_ENGINE_CORE_GRACE_S = 1.0
 
 #: how much longer than the workers' own deadline a step-boundary load may take to answer
 STEP_BOUNDARY_GRACE_S = 30.0
@@ -229,7 +234,10 @@ class InProcessTransport(LoraAdapters, RawBaseline, Generation):
                     # inside a collective), so vLLM's orderly shutdown would hang; stop them first
                     await loop.run_in_executor(None, processes.kill, self._engine_procs)
                 try:
-                    await asyncio.wait_for(loop.run_in_executor(None, llm.shutdown), SHUTDOWN_TIMEOUT_S)
+                    orderly = llm.shutdown
+                    if self.platform == "cpu":
+                        orderly = functools.partial(llm.shutdown, timeout=CPU_ENGINE_CORE_GRACE_S)
+                    await asyncio.wait_for(loop.run_in_executor(None, orderly), SHUTDOWN_TIMEOUT_S)
                 except TimeoutError:
                     logger.warning("vLLM's shutdown took over %.0f s; killing its processes", SHUTDOWN_TIMEOUT_S)
                     await loop.run_in_executor(None, processes.kill, self._engine_procs)
