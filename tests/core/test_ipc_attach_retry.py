@@ -31,21 +31,33 @@ class FlakyAttachDouble:
         return _rebuild, (self.value, self.message)
 
 
-def test_a_manager_timeout_is_attached_again() -> None:
+@pytest.fixture
+def waits(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The backoff sleeps ``ipc.loads`` takes, recorded instead of slept."""
+    slept: list[float] = []
+    monkeypatch.setattr(ipc.time, "sleep", slept.append)
+    return slept
+
+
+def test_a_manager_timeout_is_attached_again_after_growing_waits(waits: list[float]) -> None:
     _failures_left[0] = ipc.ATTACH_TRIES - 1
     payload = pickle.dumps([("w", FlakyAttachDouble(3))])
     assert ipc.loads(payload) == [("w", 3)]
     assert _failures_left[0] == 0
+    assert waits == list(ipc.ATTACH_BACKOFF_S)
+    assert waits == sorted(waits) and sum(waits) >= 5.0  # outlasts a few missed 1 s polls
 
 
-def test_a_manager_that_never_answers_fails_after_the_tries() -> None:
+def test_a_manager_that_never_answers_fails_after_the_tries(waits: list[float]) -> None:
     _failures_left[0] = ipc.ATTACH_TRIES
     with pytest.raises(RuntimeError, match=ipc.MANAGER_TIMEOUT):
         ipc.loads(pickle.dumps([("w", FlakyAttachDouble(3))]))
+    assert waits == list(ipc.ATTACH_BACKOFF_S)  # no wait after the last try
 
 
-def test_another_error_is_not_tried_again() -> None:
+def test_another_error_is_not_tried_again(waits: list[float]) -> None:
     _failures_left[0] = 1
     with pytest.raises(RuntimeError, match="unable to mmap"):
         ipc.loads(pickle.dumps([("w", FlakyAttachDouble(3, "unable to mmap"))]))
     assert _failures_left[0] == 0
+    assert waits == []

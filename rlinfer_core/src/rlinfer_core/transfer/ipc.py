@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import logging
 import pickle
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -47,8 +48,12 @@ def dumps(tensors: Sequence[tuple[str, torch.Tensor]]) -> bytes:
 #: answer an attach within its fixed poll timeout: seen on a loaded 2-core host (engines, Ray
 #: replicas and the trainer at once), with nothing attached yet, so attaching again is safe
 MANAGER_TIMEOUT = "Shared memory manager connection has timed out"
+#: seconds waited before each further attach: the manager must answer within a fixed 1 s poll,
+#: which a loaded host missed three times in a row once (a staged update to a Ray replica, clean
+#: clone of 2026-11-27)
+ATTACH_BACKOFF_S = (0.25, 0.5, 1.0, 2.0, 4.0)
 #: attaches tried before the manager's timeout is the caller's error
-ATTACH_TRIES = 3
+ATTACH_TRIES = len(ATTACH_BACKOFF_S) + 1
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +71,7 @@ def loads(payload: bytes) -> list[tuple[str, torch.Tensor]]:
             if MANAGER_TIMEOUT not in str(exc) or attempt == ATTACH_TRIES:
                 raise
             logger.warning("attaching shared tensors: torch's shared-memory manager timed out (try %d)", attempt)
+            time.sleep(ATTACH_BACKOFF_S[attempt - 1])
     raise AssertionError("unreachable")
 
 
