@@ -5,7 +5,7 @@ operation hookspec has exactly one protocol member with the same parameters (nam
 defaults, annotations) and return type and vice versa, the member's docstring *is* the
 hookspec's (not a copy), and the protocols split required from optional hooks exactly as the
 hookspecs' ``optional`` markers do. The facade reaches every operation hook, and every optional
-one only through ``_optional`` / ``_implemented`` with a protocol member (no dispatch by name).
+one only through ``BackendCalls.optional`` / ``implemented`` with a protocol member (no dispatch by name).
 ``rlinfer serve``'s ServedEngine protocol states a part of the facade's surface, checked against
 AsyncEngine (a pool is that facade over rlinfer_ray's PoolBackend, which has every operation
 hook). New hookspecs are picked up without a change here.
@@ -230,11 +230,11 @@ def test_the_facade_reaches_every_operation_hook_and_optional_ones_only_through_
         through = (
             isinstance(parent, ast.Call)
             and node in parent.args[:1]
-            and getattr(parent.func, "attr", None) in ("_optional", "_implemented")
+            and getattr(parent.func, "attr", None) in ("optional", "implemented")
         )
         if owner not in optional_protocols or node.attr not in vars(optional_protocols[owner]) or not through:
             bad.append(f"{module}:{line}: {ast.unparse(parent or node)}")
-    assert bad == [], "optional hooks are reached only as _optional(<Protocol>.<hook>) or _implemented(...):\n" + (
+    assert bad == [], "optional hooks are reached only as optional(<Protocol>.<hook>) or implemented(...):\n" + (
         "\n".join(bad)
     )
     assert reached == set(operation_specs(hookspecs)), "every operation hook is called by the facade"

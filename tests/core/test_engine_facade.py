@@ -308,7 +308,7 @@ def test_sync_engine_wrapper() -> None:
         engine.check_health()
         with pytest.raises(UnsupportedCapability):
             engine.release_memory()
-    assert engine.async_engine._closed
+    assert engine.async_engine._calls.closed
     assert ("abort", ["zzz"]) in backend().calls
     kinds = [e for e, _ in observer.events]
     assert kinds[0] == "started" and kinds[-1] == "shutdown"

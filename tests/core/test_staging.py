@@ -164,7 +164,7 @@ def test_the_bound_on_staged_bytes() -> None:
         assert await staging.commit() == 1  # a partial update, as update_weights takes one
         with pytest.raises(StagingLimitExceeded):
             await engine.stage_weights(good_update(1.0))  # 24 > 20 from the start
-        assert engine._open_staging is None
+        assert engine._staging.open is None
         await engine.shutdown()
 
     run(body())
@@ -189,7 +189,7 @@ def test_a_failure_inside_the_engine_ends_the_staging() -> None:
         with pytest.raises(WeightUpdateError, match="failed to stage"):
             await engine.stage_weights(good_update(1.0))
         assert staging_calls() == ["stage_weights", "cancel_staged_weights"]  # nothing left behind
-        assert engine._open_staging is None
+        assert engine._staging.open is None
         await engine.shutdown()
 
         engine = await opened(fail_update=True)
@@ -198,7 +198,7 @@ def test_a_failure_inside_the_engine_ends_the_staging() -> None:
             await staging.commit()
         assert staging.state is StagingState.CANCELLED and engine.weight_version == 0
         assert staging_calls() == ["stage_weights", "commit_staged_weights", "cancel_staged_weights"]
-        assert engine._open_staging is None
+        assert engine._staging.open is None
         await engine.shutdown()
 
     run(body())

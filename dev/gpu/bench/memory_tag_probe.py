@@ -47,8 +47,8 @@ async def probe(backend: str, model: str, tags: list[str], engine_args: dict[str
     try:
         await engine.generate([request])
         # the hooks themselves, past the facade's tag check: a tag is measured before it is claimed
-        release = engine._optional(MemoryBackend.rlinfer_release_memory)
-        resume = engine._optional(MemoryBackend.rlinfer_resume_memory)
+        release = engine._calls.optional(MemoryBackend.rlinfer_release_memory)
+        resume = engine._calls.optional(MemoryBackend.rlinfer_resume_memory)
         for tag in tags:
             before = _free_bytes()
             started = time.perf_counter()

@@ -27,7 +27,7 @@ from rlinfer_core.tools import ToolCalls, check_calls, check_parser, to_tools
 from rlinfer_core.types import Capabilities, Capability, Completion, GenerateRequest
 
 if TYPE_CHECKING:
-    from rlinfer_core.engine_base import EngineBase as AsyncEngine
+    from rlinfer_core.engine import AsyncEngine
 
 #: capability -> (what it is built on, the note ``rlinfer backends`` shows)
 DERIVED: dict[Capability, tuple[Capability | None, str]] = {
@@ -91,13 +91,13 @@ def check_agent_request(engine: AsyncEngine, request: GenerateRequest) -> None:
 async def parse_tool_calls(engine: AsyncEngine, text: str, parser: str, tools: Any) -> ToolCalls:
     """Tool calls in ``text`` by the engine's ``parser`` ("hermes", "qwen", "llama"), checked
     against ``tools`` (unknown tools and schema-invalid arguments are marked malformed)."""
-    engine._ensure_open()
+    engine._calls.ensure_open()
     check_parser(parser)
     specs = to_tools(tools) or ()
-    parse: Any = engine._optional(ToolsBackend.rlinfer_parse_tool_calls)
+    parse: Any = engine._calls.optional(ToolsBackend.rlinfer_parse_tool_calls)
     found = parse(text=text, parser=parser, tools=specs)
     if isinstance(found, Awaitable):  # a backend may parse asynchronously although the spec says sync
-        found = await engine._with_timeout(found, engine.config.request_timeout_s, "parse_tool_calls")
+        found = await engine._calls.with_timeout(found, engine.config.request_timeout_s, "parse_tool_calls")
     if not isinstance(found, ToolCalls):
         raise TypeError(f"rlinfer_parse_tool_calls of {engine.backend_name!r} returned {type(found).__name__}")
     return check_calls(found, specs)

@@ -20,9 +20,10 @@ those, as ``rlinfer_sglang.backend`` does).
 
 :class:`Backend` holds the required hooks; every other protocol groups optional hooks that back
 the same capabilities. The facade reaches an optional hook only through :func:`optional_hook`
-(``EngineBase._optional``), which raises :class:`~rlinfer_core.errors.UnsupportedCapability`
-with the backend's note before reaching a hook whose capability is not claimed. Members return
-``Awaitable`` so that ``async def`` methods and plain methods returning an awaitable both fit.
+(:meth:`rlinfer_core.engine_calls.BackendCalls.optional`), which raises
+:class:`~rlinfer_core.errors.UnsupportedCapability` with the backend's note before reaching a
+hook whose capability is not claimed. Members return ``Awaitable`` so that ``async def`` methods
+and plain methods returning an awaitable both fit.
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
-"""The facade's staged weight updates (part of ``AsyncEngine``; capability ``weights.staged``).
+"""The facade's staged weight updates (capability ``weights.staged``): the owner of the
+handles ``AsyncEngine.stage_weights`` returns.
 
 The handle and the semantics are :mod:`rlinfer_core.staging`. Here: validation at stage time
 (the checks of ``update_weights``, plus names staged twice and the bound on staged bytes), the
 backend's stage / commit / cancel hooks, and a commit that finishes as ``update_weights`` does
-(:meth:`EngineWeights._load_verified`: verification, version, prefix-cache reset).
+(:meth:`Weights.load_verified <rlinfer_core.engine_weights.Weights.load_verified>`: verification,
+version, prefix-cache reset).
 """
 
 from __future__ import annotations
@@ -11,13 +13,13 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from rlinfer_core.backend import StagingBackend
-from rlinfer_core.engine_weights import EngineWeights, source_names
+from rlinfer_core.engine_weights import source_names
 from rlinfer_core.errors import (
     EngineDead,
     EngineTimeout,
@@ -28,76 +30,92 @@ from rlinfer_core.errors import (
 )
 from rlinfer_core.preflight import as_weight_update, transport_capability, update_target
 from rlinfer_core.staging import AsyncWeightStaging, StagingState
-from rlinfer_core.types import Capability, MemoryTag
+from rlinfer_core.types import Capabilities, Capability, EngineConfig, MemoryTag
 from rlinfer_core.weights import BroadcastSource, WeightSource, WeightUpdate
 
+if TYPE_CHECKING:
+    from rlinfer_core.engine_calls import BackendCalls
+    from rlinfer_core.engine_weights import Weights
+    from rlinfer_core.observers import Observers
 
-class EngineStaging(EngineWeights):
-    """Staged weight updates: stage while generating, commit at a step boundary, or cancel."""
 
-    #: every source staged into the open staging, kept for the commit's verification
-    _staged_sources: list[WeightSource]
+class Staging:
+    """The staged update now open on one engine (at most one), and every step of its life: stage
+    while generating, commit at a step boundary, or cancel. It takes the :class:`Weights`' lock
+    and finishes a commit as their update does."""
 
-    async def stage_weights(
-        self, update: WeightUpdate | WeightSource | Mapping[str, Any], *, version: int | None = None
+    def __init__(
+        self,
+        calls: BackendCalls,
+        config: EngineConfig,
+        observers: Observers,
+        capabilities: Callable[[], Capabilities],
+        weights: Weights,
+    ) -> None:
+        self._calls = calls
+        self._config = config
+        self._observers = observers
+        self._capabilities = capabilities
+        self._weights = weights
+        #: the staged update now open, if any
+        self.open: AsyncWeightStaging | None = None
+        #: every source staged into it, kept for the commit's verification
+        self._sources: list[WeightSource] = []
+
+    async def stage(
+        self, update: WeightUpdate | WeightSource | Mapping[str, Any], version: int | None
     ) -> AsyncWeightStaging:
-        """Validate ``update`` and move it into the engine while generation goes on; return the
-        handle to :meth:`~rlinfer_core.staging.AsyncWeightStaging.add` more buckets to,
-        ``commit()`` or ``cancel()`` (see :mod:`rlinfer_core.staging` for the semantics).
-
-        Takes what ``update_weights`` takes except a WeightDelta and a broadcast source. The
-        version (``version``, else the live one + 1) is fixed now. WeightStagingError while
-        another staging is open; StagingLimitExceeded over ``EngineConfig.max_staged_weight_bytes``.
-        """
-        self._ensure_open()
-        self.capabilities.require(Capability.WEIGHTS_STAGED)
+        """``AsyncEngine.stage_weights``."""
+        self._calls.ensure_open()
+        self._capabilities().require(Capability.WEIGHTS_STAGED)
         update = as_weight_update(update, version)
-        async with self._weight_lock:
-            if self._open_staging is not None:
+        weights = self._weights
+        async with weights.lock:
+            if self.open is not None:
                 raise WeightStagingError(
-                    f"staging {self._open_staging.staging_id} is open; commit or cancel it before staging again"
+                    f"staging {self.open.staging_id} is open; commit or cancel it before staging again"
                 )
-            target = update_target(update, self._version, self.capabilities, self._released)
+            target = update_target(update, weights.version, self._capabilities(), weights.released)
             staging = AsyncWeightStaging(self, uuid.uuid4().hex, target)
-            self._staged_sources = []
+            self._sources = []
             await self._stage_locked(staging, update)
-            self._open_staging = staging
+            self.open = staging
         return staging
 
     @property
-    def staged_weight_limit(self) -> int:
-        """The most bytes a staging may hold: ``EngineConfig.max_staged_weight_bytes``, by
-        default one full copy of the weights (:attr:`weight_specs`)."""
-        if self.config.max_staged_weight_bytes is not None:
-            return self.config.max_staged_weight_bytes
+    def limit(self) -> int:
+        """``AsyncEngine.staged_weight_limit``."""
+        if self._config.max_staged_weight_bytes is not None:
+            return self._config.max_staged_weight_bytes
         from rlinfer_core.transfer.buckets import to_dtype
 
-        return sum(s.numel * to_dtype(s.dtype).itemsize for s in self.weight_specs.values())
+        return sum(s.numel * to_dtype(s.dtype).itemsize for s in self._weights.specs.values())
 
     # --- the handle's owner (rlinfer_core.staging.StagingOwner) ---------------------------------
 
     async def _stage_more(self, staging: AsyncWeightStaging, update: WeightUpdate) -> None:
-        self._ensure_open()
-        async with self._weight_lock:
+        self._calls.ensure_open()
+        async with self._weights.lock:
             self._require_current(staging)
             await self._stage_locked(staging, update)
 
     async def _commit_staging(self, staging: AsyncWeightStaging) -> int:
-        self._ensure_open()
-        commit = self._optional(StagingBackend.rlinfer_commit_staged_weights)
+        self._calls.ensure_open()
+        commit = self._calls.optional(StagingBackend.rlinfer_commit_staged_weights)
         started = time.perf_counter()
-        async with self._weight_lock:
+        weights = self._weights
+        async with weights.lock:
             self._require_current(staging)
             try:
-                if MemoryTag.WEIGHTS in self._released:
+                if MemoryTag.WEIGHTS in weights.released:
                     raise WeightUpdateError("weights are released; call resume_memory(['weights']) first")
-                self._check_refill(staging.names, None)
+                weights.check_refill(staging.names, None)
             except Exception as exc:
                 self._emit_failed(exc)
                 raise  # nothing was touched: the staging stays open
             try:
                 load = commit(staging.staging_id, staging.version)
-                await self._load_verified(load, self._staged_sources, staging.version, "commit_staged_weights")
+                await weights.load_verified(load, self._sources, staging.version, "commit_staged_weights")
             except Exception as exc:
                 self._emit_failed(exc)
                 with contextlib.suppress(Exception):  # the failed commit is what the caller must see
@@ -106,7 +124,7 @@ class EngineStaging(EngineWeights):
             await self._drop(staging, StagingState.COMMITTED, backend=False)  # the backend dropped them
         self._observers.emit(
             "rlinfer_on_weights_updated",
-            backend=self.backend_name,
+            backend=self._calls.name,
             version=staging.version,
             transport="staged",
             nbytes=staging.staged_bytes,
@@ -115,15 +133,15 @@ class EngineStaging(EngineWeights):
         return staging.version
 
     async def _cancel_staging(self, staging: AsyncWeightStaging) -> None:
-        async with self._weight_lock:
-            if self._open_staging is staging and staging.state is StagingState.OPEN:
+        async with self._weights.lock:
+            if self.open is staging and staging.state is StagingState.OPEN:
                 await self._drop(staging, StagingState.CANCELLED)
 
     # --- helpers ----------------------------------------------------------------------------------
 
     def _require_current(self, staging: AsyncWeightStaging) -> None:
         staging._require_open("use")
-        if self._open_staging is not staging:
+        if self.open is not staging:
             raise WeightStagingError(f"staging {staging.staging_id} is not open on this engine")
 
     async def _stage_locked(self, staging: AsyncWeightStaging, update: WeightUpdate) -> None:
@@ -135,47 +153,47 @@ class EngineStaging(EngineWeights):
             )
         if update.version is not None and update.version != staging.version:
             raise InvalidRequest("version", f"this staging makes version {staging.version}, got {update.version}")
-        self.capabilities.require(transport_capability(update.source))
-        source = self._under_checkpoint_names(update.source)
-        nbytes = self._validate(source)
+        self._capabilities().require(transport_capability(update.source))
+        source = self._weights.under_checkpoint_names(update.source)
+        nbytes = self._weights.validate(source)
         names = frozenset(source_names(source))
         twice = sorted(names & staging.names)
         if twice:
             raise WeightStagingError(
                 f"{len(twice)} tensors are staged already in this staging", tuple(f"{n}: staged twice" for n in twice)
             )
-        limit = self.staged_weight_limit
+        limit = self.limit
         if staging.staged_bytes + nbytes > limit:
             raise StagingLimitExceeded(staging.staged_bytes, nbytes, limit)
-        stage = self._optional(StagingBackend.rlinfer_stage_weights)
+        stage = self._calls.optional(StagingBackend.rlinfer_stage_weights)
         part = attrs.evolve(update, source=source, version=staging.version)
         try:
-            await self._with_timeout(stage(staging.staging_id, part), self.config.request_timeout_s, "stage_weights")
+            await self._calls.with_timeout(
+                stage(staging.staging_id, part), self._config.request_timeout_s, "stage_weights"
+            )
         except Exception as exc:
             with contextlib.suppress(Exception):  # the failure to stage is what the caller must see
                 await self._drop(staging, StagingState.CANCELLED)
             if isinstance(exc, WeightUpdateError | EngineDead | EngineTimeout):
                 raise
-            await self._raise_if_dead(exc)
-            raise WeightUpdateError(f"backend {self.backend_name!r} failed to stage the update: {exc}") from exc
-        self._staged_sources.append(source)
+            await self._calls.raise_if_dead(exc)
+            raise WeightUpdateError(f"backend {self._calls.name!r} failed to stage the update: {exc}") from exc
+        self._sources.append(source)
         staging._staged(names, nbytes)
 
     async def _drop(self, staging: AsyncWeightStaging, state: StagingState, *, backend: bool = True) -> None:
         """End ``staging`` (the backend drops its tensors unless it did already)."""
         staging._closed(state)
-        if self._open_staging is staging:
-            self._open_staging = None
-        self._staged_sources = []
-        if backend and not self._closed:
+        if self.open is staging:
+            self.open = None
+        self._sources = []
+        if backend and not self._calls.closed:
             try:
-                cancel = self._optional(StagingBackend.rlinfer_cancel_staged_weights)
-                await self._with_timeout(cancel(staging.staging_id), 60.0, "cancel_staged_weights")
+                cancel = self._calls.optional(StagingBackend.rlinfer_cancel_staged_weights)
+                await self._calls.with_timeout(cancel(staging.staging_id), 60.0, "cancel_staged_weights")
             except Exception as exc:
-                await self._raise_if_dead(exc)
+                await self._calls.raise_if_dead(exc)
                 raise
 
     def _emit_failed(self, exc: BaseException) -> None:
-        self._observers.emit(
-            "rlinfer_on_weight_update_failed", backend=self.backend_name, transport="staged", error=exc
-        )
+        self._observers.emit("rlinfer_on_weight_update_failed", backend=self._calls.name, transport="staged", error=exc)

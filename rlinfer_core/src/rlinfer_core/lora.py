@@ -27,7 +27,7 @@ from rlinfer_core.errors import InvalidRequest
 from rlinfer_core.types import Capability
 
 if TYPE_CHECKING:
-    from rlinfer_core.engine_base import EngineBase as AsyncEngine
+    from rlinfer_core.engine import AsyncEngine
     from rlinfer_core.types import GenerateRequest
 
 T = TypeVar("T")
@@ -128,11 +128,11 @@ class LoraRegistry:
         self._loaded: dict[str, LoraInfo] = {}
 
     async def _call(self, what: str, call: Callable[[AsyncEngine], Awaitable[T]]) -> T:
-        """``call(engine)`` (a LoRA hook reached through ``engine._optional``) on an open engine,
+        """``call(engine)`` (a LoRA hook reached through ``engine._calls.optional``) on an open engine,
         bounded by the request timeout."""
         engine = self._engine
-        engine._ensure_open()
-        return await engine._with_timeout(call(engine), engine.config.request_timeout_s, what)
+        engine._calls.ensure_open()
+        return await engine._calls.with_timeout(call(engine), engine.config.request_timeout_s, what)
 
     async def load(self, adapter: LoraAdapter) -> LoraInfo:
         """Load a new adapter under ``adapter.name``."""
@@ -140,7 +140,7 @@ class LoraRegistry:
         if adapter.name in self._loaded:
             raise InvalidRequest("lora.name", f"an adapter named {adapter.name!r} is loaded; update or unload it")
         info = info_of(adapter)
-        await self._call("load_lora", lambda e: e._optional(LoraBackend.rlinfer_load_lora)(adapter, False))
+        await self._call("load_lora", lambda e: e._calls.optional(LoraBackend.rlinfer_load_lora)(adapter, False))
         self._loaded[adapter.name] = info
         return info
 
@@ -159,7 +159,7 @@ class LoraRegistry:
                 f"an in-place update keeps rank and target modules ({old.rank}, {old.target_modules}); "
                 f"got ({info.rank}, {info.target_modules}); unload and load instead",
             )
-        await self._call("update_lora", lambda e: e._optional(LoraBackend.rlinfer_load_lora)(adapter, True))
+        await self._call("update_lora", lambda e: e._calls.optional(LoraBackend.rlinfer_load_lora)(adapter, True))
         self._loaded[adapter.name] = info
         return info
 
@@ -168,12 +168,12 @@ class LoraRegistry:
         self._engine.capabilities.require(Capability.LORA)
         if name not in self._loaded:
             raise InvalidRequest("lora.name", f"no adapter named {name!r} is loaded; loaded: {sorted(self._loaded)}")
-        await self._call("unload_lora", lambda e: e._optional(LoraBackend.rlinfer_unload_lora)(name))
+        await self._call("unload_lora", lambda e: e._calls.optional(LoraBackend.rlinfer_unload_lora)(name))
         del self._loaded[name]
 
     async def list(self) -> list[LoraInfo]:
         """The loaded adapters (the engine's own list, checked against the facade's)."""
-        names = set(await self._call("list_loras", lambda e: e._optional(LoraBackend.rlinfer_list_loras)()))
+        names = set(await self._call("list_loras", lambda e: e._calls.optional(LoraBackend.rlinfer_list_loras)()))
         if names != set(self._loaded):
             raise InvalidRequest(
                 "lora", f"the engine holds adapters {sorted(names)} but the facade loaded {sorted(self._loaded)}"

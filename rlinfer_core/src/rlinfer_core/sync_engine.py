@@ -165,7 +165,7 @@ class Engine(SyncTwin):
     bench_raw_generate = blocking(AsyncEngine.bench_raw_generate)
     bench_raw_weight_update = blocking(AsyncEngine.bench_raw_weight_update)
 
-    # --- agent rollouts (rlinfer_core.engine_agent) ------------------------------------------------
+    # --- agent rollouts ------------------------------------------------------------------------
 
     session = converted(AsyncEngine.session, Session)  # a sync Session: model turns block like generate
     score = blocking(AsyncEngine.score)
