@@ -27,6 +27,11 @@ class BackendCalls:
         #: set by the facade's shutdown: every later call raises EngineDead
         self.closed = False
 
+    @property
+    def capabilities(self) -> Capabilities:
+        """What the engine claims now (refined once it started)."""
+        return self._capabilities()
+
     def ensure_open(self) -> None:
         """EngineDead once the engine was shut down."""
         if self.closed:
@@ -39,7 +44,7 @@ class BackendCalls:
         the one way the facade reaches an optional hook: UnsupportedCapability with the backend's
         note unless it claims ``needs`` (default: what the hook backs), or naming the hook when
         the backend lacks it (:func:`rlinfer_core.backend.optional_hook`)."""
-        return optional_hook(self.backend, hook, self._capabilities(), needs, self.name)
+        return optional_hook(self.backend, hook, self.capabilities, needs, self.name)
 
     def implemented(self, hook: Callable[Concatenate[Impl, Params], T]) -> Callable[Params, T] | None:
         """The backend's implementation of the optional ``hook``, or None: for calls skipped where

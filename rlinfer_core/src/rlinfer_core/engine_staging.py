@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -30,7 +30,7 @@ from rlinfer_core.errors import (
 )
 from rlinfer_core.preflight import as_weight_update, transport_capability, update_target
 from rlinfer_core.staging import AsyncWeightStaging, StagingState
-from rlinfer_core.types import Capabilities, Capability, EngineConfig, MemoryTag
+from rlinfer_core.types import Capability, EngineConfig, MemoryTag
 from rlinfer_core.weights import BroadcastSource, WeightSource, WeightUpdate
 
 if TYPE_CHECKING:
@@ -49,13 +49,11 @@ class Staging:
         calls: BackendCalls,
         config: EngineConfig,
         observers: Observers,
-        capabilities: Callable[[], Capabilities],
         weights: Weights,
     ) -> None:
         self._calls = calls
         self._config = config
         self._observers = observers
-        self._capabilities = capabilities
         self._weights = weights
         #: the staged update now open, if any
         self.open: AsyncWeightStaging | None = None
@@ -67,7 +65,7 @@ class Staging:
     ) -> AsyncWeightStaging:
         """``AsyncEngine.stage_weights``."""
         self._calls.ensure_open()
-        self._capabilities().require(Capability.WEIGHTS_STAGED)
+        self._calls.capabilities.require(Capability.WEIGHTS_STAGED)
         update = as_weight_update(update, version)
         weights = self._weights
         async with weights.lock:
@@ -75,7 +73,7 @@ class Staging:
                 raise WeightStagingError(
                     f"staging {self.open.staging_id} is open; commit or cancel it before staging again"
                 )
-            target = update_target(update, weights.version, self._capabilities(), weights.released)
+            target = update_target(update, weights.version, self._calls.capabilities, weights.released)
             staging = AsyncWeightStaging(self, uuid.uuid4().hex, target)
             self._sources = []
             await self._stage_locked(staging, update)
@@ -153,7 +151,7 @@ class Staging:
             )
         if update.version is not None and update.version != staging.version:
             raise InvalidRequest("version", f"this staging makes version {staging.version}, got {update.version}")
-        self._capabilities().require(transport_capability(update.source))
+        self._calls.capabilities.require(transport_capability(update.source))
         source = self._weights.under_checkpoint_names(update.source)
         nbytes = self._weights.validate(source)
         names = frozenset(source_names(source))

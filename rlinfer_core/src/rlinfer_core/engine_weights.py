@@ -26,7 +26,7 @@ from rlinfer_core.errors import (
 )
 from rlinfer_core.preflight import as_memory_tags, as_weight_update, transport_name, update_target
 from rlinfer_core.trainer_names import NameMap
-from rlinfer_core.types import Capabilities, Capability, EngineConfig, MemoryTag
+from rlinfer_core.types import Capability, EngineConfig, MemoryTag
 from rlinfer_core.weights import (
     BroadcastGroup,
     BroadcastSource,
@@ -95,8 +95,8 @@ class Weights:
     and prefix-cache methods call these.
 
     Receives the facade's :class:`~rlinfer_core.engine_calls.BackendCalls`, its config and
-    observers, and callables for what the facade learns at start (capabilities, model facts) and
-    for the staged update now open (:class:`~rlinfer_core.engine_staging.Staging`).
+    observers, and callables for the model's facts (known once the engine started) and for the
+    staged update now open (:class:`~rlinfer_core.engine_staging.Staging`).
     """
 
     def __init__(
@@ -104,14 +104,12 @@ class Weights:
         calls: BackendCalls,
         config: EngineConfig,
         observers: Observers,
-        capabilities: Callable[[], Capabilities],
         model_info: Callable[[], ModelInfo | None],
         open_staging: Callable[[], AsyncWeightStaging | None],
     ) -> None:
         self._calls = calls
         self._config = config
         self._observers = observers
-        self._capabilities = capabilities
         self._model_info = model_info
         self._staging_open = open_staging
         #: the version now served: 0 at start, then what each update made live
@@ -152,7 +150,7 @@ class Weights:
         self._calls.ensure_open()
         base: int | None = None
         if isinstance(update, WeightDelta):
-            self._capabilities().require(Capability.WEIGHTS_DELTA)
+            self._calls.capabilities.require(Capability.WEIGHTS_DELTA)
             base = update.base_version
             update = WeightUpdate(NamedTensors(update.tensors), version=version)
             transport = "delta"
@@ -164,7 +162,7 @@ class Weights:
             try:
                 self._refuse_while_staging()
                 update = attrs.evolve(update, source=self.under_checkpoint_names(update.source))
-                target = update_target(update, self.version, self._capabilities(), self.released)
+                target = update_target(update, self.version, self._calls.capabilities, self.released)
                 self.check_refill(update.source, base)
                 nbytes = self.validate(update.source)
                 started = time.perf_counter()
@@ -249,7 +247,7 @@ class Weights:
     @property
     def verifies_updates(self) -> bool:
         """``AsyncEngine.verifies_updates``."""
-        return self._config.verify_updates and self._capabilities().supports(Capability.WEIGHTS_CHECKSUM)
+        return self._config.verify_updates and self._calls.capabilities.supports(Capability.WEIGHTS_CHECKSUM)
 
     async def _verify_update(self, *sources: WeightSource) -> None:
         """After a load: the engine's checksums of the updated tensors against the trainer's.
@@ -344,7 +342,7 @@ class Weights:
 
     async def reset_prefix_cache(self) -> None:
         """Drop the engine's cached prefixes where it claims ``prefix_cache.reset``."""
-        if self._capabilities().supports(Capability.PREFIX_CACHE_RESET):
+        if self._calls.capabilities.supports(Capability.PREFIX_CACHE_RESET):
             reset = self._calls.optional(PrefixCacheBackend.rlinfer_reset_prefix_cache)
             await self._calls.with_timeout(reset(), 60.0, "reset_prefix_cache")
 
@@ -355,7 +353,7 @@ class Weights:
     ) -> None:
         """``AsyncEngine.release_memory``."""
         self._calls.ensure_open()
-        capabilities = self._capabilities()
+        capabilities = self._calls.capabilities
         wanted = as_memory_tags(tags, capabilities)
         if discard_weights:  # first: the error names what was asked for (its note says why)
             capabilities.require(Capability.MEMORY_DISCARD_WEIGHTS)
@@ -384,7 +382,7 @@ class Weights:
     async def resume_memory(self, tags: Iterable[MemoryTag | str] | MemoryTag | str | None) -> None:
         """``AsyncEngine.resume_memory``."""
         self._calls.ensure_open()
-        wanted = as_memory_tags(tags, self._capabilities())
+        wanted = as_memory_tags(tags, self._calls.capabilities)
         resume = self._calls.optional(MemoryBackend.rlinfer_resume_memory)
         todo = frozenset(wanted & self.released)
         if not todo:
