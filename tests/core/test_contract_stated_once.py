@@ -6,9 +6,8 @@ defaults, annotations) and return type and vice versa, the member's docstring *i
 hookspec's (not a copy), and the protocols split required from optional hooks exactly as the
 hookspecs' ``optional`` markers do. The facade reaches every operation hook, and every optional
 one only through ``BackendCalls.optional`` / ``implemented`` with a protocol member (no dispatch by name).
-``rlinfer serve``'s ServedEngine protocol states a part of the facade's surface, checked against
-AsyncEngine (a pool is that facade over rlinfer_ray's PoolBackend, which has every operation
-hook). New hookspecs are picked up without a change here.
+``rlinfer serve`` serves the facade itself (a pool is that facade over rlinfer_ray's
+PoolBackend, which has every operation hook). New hookspecs are picked up without a change here.
 """
 
 from __future__ import annotations
@@ -21,11 +20,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import pytest
-from test_sync_surface import import_pool_backend, instance_attributes
+from test_sync_surface import import_pool_backend
 
 from rlinfer_core import hookspecs
 from rlinfer_core.backend import OPTIONAL, Backend, FullBackend, LoraBackend, ToolsBackend, optional_hook
-from rlinfer_core.engine import AsyncEngine
 from rlinfer_core.errors import UnsupportedCapability
 from rlinfer_core.types import Capabilities, Capability
 
@@ -271,60 +269,7 @@ def test_an_optional_hook_is_refused_with_the_backends_note_then_for_its_absence
         optional_hook(double, Backend.rlinfer_generate, caps, None, "double")
 
 
-# --- rlinfer serve's engine protocol -------------------------------------------------------------
-
-
-def served_problems(served: type, engine: type) -> list[str]:
-    """How ``engine`` fails what ``served`` (rlinfer serve's ServedEngine) states of it: a member
-    missing, a property that is not one, a method with other parameters or not async alike.
-    ServedEngine's annotations may be looser (Any); names, kinds and defaults must match, and
-    ``= ...`` in the protocol means "has a default"."""
-    problems = []
-    attributes = instance_attributes(engine)
-    for name in sorted(getattr(served, "__annotations__", {})):
-        if name not in attributes and not hasattr(engine, name):
-            problems.append(f"{engine.__name__} has no attribute {name}")
-    for name, member in sorted(vars(served).items()):
-        if name.startswith("_") or not (callable(member) or isinstance(member, property)):
-            continue
-        theirs = inspect.getattr_static(engine, name, None)
-        if theirs is None and isinstance(member, property) and name in attributes:
-            continue  # an instance attribute satisfies a protocol's read-only property
-        if theirs is None:
-            problems.append(f"{engine.__name__} has no {name}")
-        elif isinstance(member, property) != isinstance(theirs, property):
-            problems.append(f"{engine.__name__}.{name}: property in one, not in the other")
-        elif not isinstance(member, property):
-            problems += _method_problems(engine.__name__, name, member, theirs)
-    return problems
-
-
-def _method_problems(owner: str, name: str, stated: Callable[..., Any], actual: Callable[..., Any]) -> list[str]:
-    problems = []
-    if inspect.iscoroutinefunction(stated) != inspect.iscoroutinefunction(actual):
-        problems.append(f"{owner}.{name}: async in one, not in the other")
-    mine = inspect.signature(stated).parameters
-    theirs = inspect.signature(actual).parameters
-    for pname, param in mine.items():
-        other = theirs.get(pname)
-        if other is None or other.kind != param.kind:
-            problems.append(f"{owner}.{name}: parameter {pname} ({param.kind.name}) is not {other}")
-        elif param.default is ... and other.default is inspect.Parameter.empty:
-            problems.append(f"{owner}.{name}: {pname} has no default")
-        elif param.default is not ... and param.default != other.default:
-            problems.append(f"{owner}.{name}: {pname} defaults to {other.default!r}, stated {param.default!r}")
-    extra = [p for n, p in theirs.items() if n not in mine and p.default is inspect.Parameter.empty]
-    extra = [p for p in extra if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    if extra:
-        problems.append(f"{owner}.{name}: needs {[p.name for p in extra]}, which the server never passes")
-    return problems
-
-
-def test_servedengine_states_the_facades_surface_as_it_is() -> None:
-    from rlinfer_server.app import ServedEngine
-
-    assert "generate" in vars(ServedEngine) and "weight_version" in vars(ServedEngine), "premise"
-    assert served_problems(ServedEngine, AsyncEngine) == []
+# --- the pool -------------------------------------------------------------------------------------
 
 
 def test_the_pool_is_a_backend_with_every_operation_hook() -> None:
@@ -338,25 +283,3 @@ def test_the_pool_is_a_backend_with_every_operation_hook() -> None:
         != list(inspect.signature(getattr(FullBackend, name)).parameters)
     ]
     assert problems == []
-
-
-def test_the_served_check_catches_a_broken_statement() -> None:
-    class BrokenServedDouble(Protocol):
-        """TEST-ONLY double: a server protocol that states the facade wrongly."""
-
-        capabilities: Any
-        flavour: Any  # no such attribute
-
-        async def generate(self, batch: Sequence[Any]) -> list[Any]: ...  # renamed parameter
-        def abort(self, request_ids: Sequence[str] | None = None) -> None: ...  # not async
-        async def pause(self, mode: Any = "keep") -> None: ...  # another default
-        async def warm_up(self) -> None: ...  # no such method
-
-    problems = served_problems(BrokenServedDouble, AsyncEngine)
-    assert "AsyncEngine has no attribute flavour" in problems
-    assert "AsyncEngine has no warm_up" in problems
-    assert any(p.startswith("AsyncEngine.generate: parameter batch") for p in problems), problems
-    assert "AsyncEngine.generate: needs ['requests'], which the server never passes" in problems
-    assert "AsyncEngine.abort: async in one, not in the other" in problems
-    assert any(p.startswith("AsyncEngine.pause: mode defaults to") for p in problems), problems
-    assert len(problems) == 6, problems

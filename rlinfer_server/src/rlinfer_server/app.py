@@ -1,9 +1,8 @@
-"""The ASGI app: :func:`create_app` over anything with the :class:`ServedEngine` API.
+"""The ASGI app: :func:`create_app` over one :class:`rlinfer_core.engine.AsyncEngine` (an engine,
+or a pool: ``rlinfer_ray.open_pool`` returns the same facade).
 
 The engine is opened in the app's lifespan (inside uvicorn's event loop, where AsyncEngine must
-live) and shut down with the server. :class:`ServedEngine` is the part of
-:class:`rlinfer_core.engine.AsyncEngine` the routes use, so a pool with the same methods can be
-served unchanged.
+live) and shut down with the server.
 """
 
 from __future__ import annotations
@@ -11,62 +10,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rlinfer_core.errors import RLInferError
-from rlinfer_core.types import Capabilities, Completion, CompletionDelta, EngineConfig, GenerateRequest
 from rlinfer_server import errors
 from rlinfer_server.convert import Tokens
 from rlinfer_server.guard import Guard
 from rlinfer_server.metrics import Metrics
 from rlinfer_server.settings import ServerSettings
 
+if TYPE_CHECKING:
+    from rlinfer_core.engine import AsyncEngine
+
 log = logging.getLogger("rlinfer.server")
-
-
-class ServedEngine(Protocol):
-    """What the server needs from an engine (AsyncEngine has it; a pool can too)."""
-
-    config: EngineConfig
-    capabilities: Capabilities
-
-    @property
-    def weight_version(self) -> int: ...  # noqa: D102
-
-    @property
-    def model_info(self) -> Any: ...  # noqa: D102
-
-    @property
-    def weight_specs(self) -> Mapping[str, Any]: ...  # noqa: D102
-
-    @property
-    def released(self) -> frozenset[Any]: ...  # noqa: D102
-
-    @property
-    def in_flight(self) -> frozenset[str]: ...  # noqa: D102
-
-    @property
-    def broadcast_ranks(self) -> int: ...  # noqa: D102
-
-    async def generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]: ...  # noqa: D102
-    def stream(self, request: GenerateRequest) -> AsyncIterator[CompletionDelta]: ...  # noqa: D102
-    async def check_health(self) -> None: ...  # noqa: D102
-    async def parse_tool_calls(self, text: str, parser: str, tools: Any = None) -> Any: ...  # noqa: D102
-    async def abort(self, request_ids: Sequence[str] | None = None) -> None: ...  # noqa: D102
-    async def pause(self, mode: Any = ...) -> None: ...  # noqa: D102
-    async def resume(self) -> None: ...  # noqa: D102
-    async def update_weights(self, update: Any, *, version: int | None = None) -> int: ...  # noqa: D102
-    async def init_weight_broadcast(self, group: Any) -> None: ...  # noqa: D102
-    async def release_memory(self, tags: Iterable[Any] | None = None) -> None: ...  # noqa: D102
-    async def resume_memory(self, tags: Iterable[Any] | None = None) -> None: ...  # noqa: D102
-    async def reset_prefix_cache(self) -> None: ...  # noqa: D102
-    async def weights_checksum(self) -> Mapping[str, Any]: ...  # noqa: D102
-    async def shutdown(self) -> None: ...  # noqa: D102
 
 
 class ServerState:
@@ -75,11 +36,11 @@ class ServerState:
     def __init__(self, settings: ServerSettings, metrics: Metrics) -> None:
         self.settings = settings
         self.metrics = metrics
-        self._engine: ServedEngine | None = None
+        self._engine: AsyncEngine | None = None
         self._tokens: Tokens | None = None
 
     @property
-    def engine(self) -> ServedEngine:
+    def engine(self) -> AsyncEngine:
         """The engine (raises EngineDead outside the lifespan)."""
         if self._engine is None:
             from rlinfer_core.errors import EngineDead
@@ -95,9 +56,9 @@ class ServerState:
 
 
 def create_app(
-    open_engine: Callable[[], Awaitable[ServedEngine]],
+    open_engine: Callable[[], Awaitable[AsyncEngine]],
     settings: ServerSettings,
-    on_ready: Callable[[ServedEngine], None] | None = None,
+    on_ready: Callable[[AsyncEngine], None] | None = None,
 ) -> FastAPI:
     """Build the app; ``open_engine`` runs at startup, ``on_ready`` once the engine serves."""
     metrics = Metrics()

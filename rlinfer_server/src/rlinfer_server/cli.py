@@ -150,11 +150,11 @@ def run(args: argparse.Namespace) -> int:
 
     from rlinfer_core.discovery import get_backend
     from rlinfer_core.engine import AsyncEngine
-    from rlinfer_server.app import ServedEngine, create_app
+    from rlinfer_server.app import create_app
 
     get_backend(backend).engine_version()  # fail fast on a missing engine
 
-    async def open_engine() -> ServedEngine:
+    async def open_engine() -> AsyncEngine:
         if pool is not None:
             from rlinfer_ray import open_async_pool
 
@@ -163,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
 
     what = backend if pool is None else f"a pool of {pool.replicas} {backend} replicas ({pool.policy.value})"
 
-    def ready(_engine: ServedEngine) -> None:
+    def ready(_engine: AsyncEngine) -> None:
         print(f"rlinfer serve: {what} serving {settings.served_model_name!r} on http://{host}:{port}", flush=True)
         if args.ready_file:
             path = Path(args.ready_file)

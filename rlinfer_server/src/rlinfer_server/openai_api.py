@@ -216,7 +216,7 @@ async def _stream(
     except StopAsyncIteration:
         first = None
     except BaseException:
-        await deltas.aclose()  # type: ignore[attr-defined]
+        await deltas.aclose()
         raise
     include_usage = bool(options and options.include_usage)
 
@@ -236,7 +236,7 @@ async def _stream(
             status, kind, param = status_of(exc)
             yield _sse(error_body(str(exc), kind, param, str(status)))
         finally:
-            await deltas.aclose()  # type: ignore[attr-defined]
+            await deltas.aclose()
             state.metrics.tokens(len(gen.prompt_token_ids or ()), generated)
             state.metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
         yield b"data: [DONE]\n\n"
