@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from rlinfer_core.errors import RLInferError
 from rlinfer_server import errors
 from rlinfer_server.convert import Tokens
-from rlinfer_server.guard import Guard
+from rlinfer_server.guard import Guard, route_access
 from rlinfer_server.metrics import Metrics
 from rlinfer_server.settings import ServerSettings
 
@@ -91,19 +91,11 @@ def create_app(
     from rlinfer_server.dialects import dialect_named
 
     dialect = dialect_named(settings.dialect)
-    app.include_router(openai_api.router)
-    app.include_router(tokenize_api.router)
-    app.include_router(control.router)
-    if dialect.router is not None:
-        app.include_router(dialect.router)
-    app.add_middleware(
-        Guard,
-        settings=settings,
-        metrics=metrics,
-        control_paths=dialect.control_paths,
-        open_paths=dialect.open_paths,
-        known_paths=dialect.paths,
-    )
+    routers = (openai_api.open_router, openai_api.router, tokenize_api.router, control.router, *dialect.routers)
+    for router in routers:
+        app.include_router(router)
+    routes = route_access(route for router in routers for route in router.routes)
+    app.add_middleware(Guard, settings=settings, metrics=metrics, routes=routes)
     return app
 
 

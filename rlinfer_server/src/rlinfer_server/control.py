@@ -13,9 +13,10 @@ from rlinfer_core.errors import InvalidRequest, WeightUpdateError
 from rlinfer_core.weights import BroadcastGroup, BroadcastSource, CheckpointDir, TensorSpec, WeightUpdate
 from rlinfer_server.app import ServerState
 from rlinfer_server.errors import HTTPError
+from rlinfer_server.guard import Access
 from rlinfer_server.schemas import AbortBody, BroadcastGroupBody, EmptyBody, MemoryBody, PauseBody, UpdateWeightsBody
 
-router = APIRouter(prefix="/control")
+router = APIRouter(prefix="/control", tags=[Access.CONTROL])
 
 
 def _state(request: Request) -> ServerState:

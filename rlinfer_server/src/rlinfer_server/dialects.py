@@ -1,5 +1,5 @@
-"""The HTTP dialects of ``rlinfer serve --dialect``: which routes each adds and which of them are
-control routes (behind the ``--api-key`` bearer token, as ``/control/*``).
+"""The HTTP dialects of ``rlinfer serve --dialect``: the routes each adds. A control route (behind
+the ``--api-key`` bearer token, as ``/control/*``) is on a router tagged ``Access.CONTROL``.
 
 Every dialect serves the OpenAI surface and rlinfer's ``/control/*`` routes too; a dialect adds
 an engine server's own routes over the same engine object (an AsyncEngine, over one engine or an rlinfer-ray pool), so
@@ -15,13 +15,10 @@ from fastapi import APIRouter
 
 @attrs.frozen
 class Dialect:
-    """One dialect: its router and its paths by access level (``paths``: all of them)."""
+    """One dialect: its routers (each tagged with the key its routes need, see :mod:`rlinfer_server.guard`)."""
 
     name: str
-    router: APIRouter | None
-    control_paths: frozenset[str] = frozenset()
-    open_paths: frozenset[str] = frozenset()
-    paths: frozenset[str] = frozenset()
+    routers: tuple[APIRouter, ...] = ()
 
 
 def dialect_named(name: str) -> Dialect:
@@ -34,4 +31,4 @@ def dialect_named(name: str) -> Dialect:
         from rlinfer_server import vllm_dialect
 
         return vllm_dialect.DIALECT
-    return Dialect("openai", None)
+    return Dialect("openai")

@@ -6,9 +6,13 @@ the body's schema, and an oversize body is refused before it is buffered.
 
 from __future__ import annotations
 
+import enum
 import json
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMapping
 from typing import Any
+
+from fastapi.routing import APIRoute
+from starlette.routing import BaseRoute
 
 from rlinfer_server.errors import error_body
 from rlinfer_server.metrics import Metrics
@@ -20,42 +24,31 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-OPEN_PATHS = frozenset({"/health"})
-#: endpoint labels for metrics; anything else counts as "other" (bounded label cardinality)
-KNOWN_PATHS = frozenset(
-    {
-        "/health",
-        "/metrics",
-        "/v1/models",
-        "/v1/completions",
-        "/v1/chat/completions",
-        "/v1/chat/completions/render",
-        "/v1/completions/render",
-        "/tokenize",
-        "/detokenize",
-        "/control/update_weights",
-        "/control/init_weight_broadcast",
-        "/control/pause",
-        "/control/resume",
-        "/control/abort",
-        "/control/release_memory",
-        "/control/resume_memory",
-        "/control/reset_prefix_cache",
-        "/control/weight_version",
-        "/control/weights_checksum",
-        "/control/info",
-    }
-)
+
+class Access(enum.StrEnum):
+    """The key a route needs; a route states it as its router's tag (none: the generate key)."""
+
+    OPEN = "open"
+    CONTROL = "control"
+    GENERATE = "generate"
 
 
-def access(path: str, control_paths: frozenset[str] = frozenset()) -> str:
-    """Which key a path needs: "open", "control" or "generate" (``control_paths``: a dialect's
-    control routes, on top of ``/control/*``)."""
-    if path in OPEN_PATHS:
-        return "open"
-    if path.startswith("/control/") or path == "/control" or path in control_paths:
-        return "control"
-    return "generate"
+def route_access(routes: Iterable[BaseRoute]) -> dict[str, Access]:
+    """Every route's path and the key it needs, from its tags."""
+    table = {}
+    for route in routes:
+        if isinstance(route, APIRoute):
+            tags = set(route.tags)
+            table[route.path] = next((a for a in (Access.CONTROL, Access.OPEN) if a in tags), Access.GENERATE)
+    return table
+
+
+def access(path: str, routes: Mapping[str, Access]) -> Access:
+    """Which key ``path`` needs: its route's (``routes``: :func:`route_access`); any path under
+    ``/control`` needs the control key, a route there or not."""
+    if path.startswith("/control/") or path == "/control":
+        return Access.CONTROL
+    return routes.get(path, Access.GENERATE)
 
 
 async def _send_json(send: Send, status: int, body: dict[str, Any], headers: list[tuple[bytes, bytes]]) -> None:
@@ -73,23 +66,20 @@ class Guard:
         app: ASGIApp,
         settings: ServerSettings,
         metrics: Metrics,
-        control_paths: frozenset[str] = frozenset(),
-        open_paths: frozenset[str] = frozenset(),
-        known_paths: frozenset[str] = frozenset(),
+        routes: Mapping[str, Access],
     ) -> None:
         self.app = app
         self.settings = settings
         self.metrics = metrics
-        self.control_paths = control_paths
-        self.open_paths = open_paths
-        self.known_paths = KNOWN_PATHS | known_paths | control_paths | open_paths
+        #: every route's path and the key it needs (:func:`route_access`)
+        self.routes = routes
 
     def _denied(self, path: str, header: str | None) -> tuple[int, str] | None:
         s = self.settings
-        need = "open" if path in self.open_paths else access(path, self.control_paths)
-        if need == "open":
+        need = access(path, self.routes)
+        if need is Access.OPEN:
             return None
-        if need == "control":
+        if need is Access.CONTROL:
             if s.open_control and s.api_key is None:
                 return None  # --open-control: keyless control, served on loopback only (settings.check)
             if s.api_key is None:
@@ -109,7 +99,7 @@ class Guard:
             await self.app(scope, receive, send)
             return
         path: str = scope["path"]
-        label = path if path in self.known_paths else "other"
+        label = path if path in self.routes else "other"
         status_box = [0]
 
         async def counting_send(message: Message) -> None:

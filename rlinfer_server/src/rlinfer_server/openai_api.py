@@ -18,10 +18,12 @@ from rlinfer_server import convert
 from rlinfer_server.app import ServerState
 from rlinfer_server.chat_render import RenderedChat, render_chat
 from rlinfer_server.errors import HTTPError, error_body, status_of
+from rlinfer_server.guard import Access
 from rlinfer_server.schemas import ChatRequest, ChatTemplateFields, CompletionRequest
 from rlinfer_server.tool_choice import ToolPlan, answer, plan_tools
 
 router = APIRouter()
+open_router = APIRouter(tags=[Access.OPEN])
 
 
 def _state(request: Request) -> ServerState:
@@ -40,7 +42,7 @@ def check_model(state: ServerState, model: str) -> None:
         )
 
 
-@router.get("/health")
+@open_router.get("/health")
 async def health(request: Request) -> Response:
     """200 while the engine serves, 503 otherwise."""
     state = _state(request)

@@ -36,6 +36,7 @@ from rlinfer_core.weights import BroadcastGroup, BroadcastSource, CheckpointDir,
 from rlinfer_server.app import ServerState
 from rlinfer_server.dialect_common import apply_update, error_status, hf_config, parse_version, state_of
 from rlinfer_server.dialects import Dialect
+from rlinfer_server.guard import Access
 from rlinfer_server.sglang_generate import answer_of, answers_of, generate_plan
 from rlinfer_server.sglang_schemas import (
     SglAbortBody,
@@ -51,6 +52,8 @@ from rlinfer_server.sglang_schemas import (
 )
 
 router = APIRouter()
+control_router = APIRouter(tags=[Access.CONTROL])
+open_router = APIRouter(tags=[Access.OPEN])
 
 #: SGLang's pause modes -> rlinfer's: "retract" and "in_place" both keep requests to continue
 #: after ``/continue_generation`` (retract frees their KV cache first; rlinfer keeps it)
@@ -129,7 +132,7 @@ async def _stream(state: ServerState, plan: Any) -> AsyncIterator[bytes]:
     yield b"data: [DONE]\n\n"
 
 
-@router.post("/update_weights_from_disk")
+@control_router.post("/update_weights_from_disk")
 async def update_weights_from_disk(body: SglUpdateFromDiskBody, request: Request) -> JSONResponse:
     """Load a checkpoint directory (as the server sees it), all or nothing."""
     state = state_of(request)
@@ -146,7 +149,7 @@ async def update_weights_from_disk(body: SglUpdateFromDiskBody, request: Request
     return await _outcome(run, num_paused_requests=0)
 
 
-@router.post("/update_weights_from_tensor")
+@control_router.post("/update_weights_from_tensor")
 async def update_weights_from_tensor(body: SglUpdateFromTensorBody, request: Request) -> JSONResponse:
     """Load named tensors shared by reference, all or nothing. This server is one receiver for
     every TP rank, and SGLang's trainers send each rank the same full (unsharded) tensors, so the
@@ -174,7 +177,7 @@ async def update_weights_from_tensor(body: SglUpdateFromTensorBody, request: Req
     return await _outcome(run)
 
 
-@router.post("/init_weights_update_group")
+@control_router.post("/init_weights_update_group")
 async def init_weights_update_group(body: SglInitGroupBody, request: Request) -> JSONResponse:
     """Join the trainer's torch.distributed group (returns once every rank joined)."""
     state = state_of(request)
@@ -201,7 +204,7 @@ async def init_weights_update_group(body: SglInitGroupBody, request: Request) ->
     return await _outcome(run)
 
 
-@router.post("/update_weights_from_distributed")
+@control_router.post("/update_weights_from_distributed")
 async def update_weights_from_distributed(body: SglUpdateFromDistributedBody, request: Request) -> JSONResponse:
     """Receive one broadcast per tensor (``names`` order) from rank 0 and load them, all or nothing."""
     state = state_of(request)
@@ -227,21 +230,21 @@ async def update_weights_from_distributed(body: SglUpdateFromDistributedBody, re
     return await _outcome(run)
 
 
-@router.post("/begin_weight_update")
+@control_router.post("/begin_weight_update")
 async def begin_weight_update(body: SglEmptyBody, request: Request) -> JSONResponse:
     """Accepted for SGLang >= 0.5.23 clients: each rlinfer update is all-or-nothing by itself."""
     state_of(request).engine  # noqa: B018  (503 when the engine is not running)
     return JSONResponse({"success": True, "message": "rlinfer updates are atomic; nothing to open"})
 
 
-@router.post("/end_weight_update")
+@control_router.post("/end_weight_update")
 async def end_weight_update(body: SglEmptyBody, request: Request) -> JSONResponse:
     """Accepted for SGLang >= 0.5.23 clients (see ``/begin_weight_update``)."""
     state_of(request).engine  # noqa: B018
     return JSONResponse({"success": True, "message": "rlinfer updates are atomic; nothing to close"})
 
 
-@router.post("/pause_generation")
+@control_router.post("/pause_generation")
 async def pause_generation(body: SglPauseBody, request: Request) -> JSONResponse:
     """Pause: ``abort`` ends in-flight requests now; ``retract`` / ``in_place`` keep them for later."""
     try:
@@ -251,7 +254,7 @@ async def pause_generation(body: SglPauseBody, request: Request) -> JSONResponse
     return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
 
 
-@router.post("/continue_generation")
+@control_router.post("/continue_generation")
 async def continue_generation(body: SglEmptyBody, request: Request) -> JSONResponse:
     """Resume after ``/pause_generation``."""
     try:
@@ -261,7 +264,7 @@ async def continue_generation(body: SglEmptyBody, request: Request) -> JSONRespo
     return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
 
 
-@router.api_route("/release_memory_occupation", methods=["GET", "POST"])
+@control_router.api_route("/release_memory_occupation", methods=["GET", "POST"])
 async def release_memory_occupation(request: Request, body: SglMemoryBody | None = None) -> Response:
     """Free accelerator memory for ``tags`` (none: all); 501 where the platform cannot (CPU)."""
     try:
@@ -271,7 +274,7 @@ async def release_memory_occupation(request: Request, body: SglMemoryBody | None
     return JSONResponse(None)
 
 
-@router.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+@control_router.api_route("/resume_memory_occupation", methods=["GET", "POST"])
 async def resume_memory_occupation(request: Request, body: SglMemoryBody | None = None) -> Response:
     """Re-allocate what ``/release_memory_occupation`` freed."""
     try:
@@ -281,7 +284,7 @@ async def resume_memory_occupation(request: Request, body: SglMemoryBody | None 
     return JSONResponse(None)
 
 
-@router.api_route("/flush_cache", methods=["GET", "POST"])
+@control_router.api_route("/flush_cache", methods=["GET", "POST"])
 async def flush_cache(request: Request) -> Response:
     """Drop cached prefixes (SGLang's text answer)."""
     try:
@@ -291,7 +294,7 @@ async def flush_cache(request: Request) -> Response:
     return PlainTextResponse(FLUSHED)
 
 
-@router.post("/abort_request")
+@control_router.post("/abort_request")
 async def abort_request(body: SglAbortBody, request: Request) -> Response:
     """Abort one request (``rid``) or all (``abort_all``); an unknown rid is not an error."""
     engine = state_of(request).engine
@@ -305,7 +308,7 @@ async def abort_request(body: SglAbortBody, request: Request) -> Response:
     return Response(status_code=200)
 
 
-@router.post("/update_weight_version")
+@control_router.post("/update_weight_version")
 async def update_weight_version(body: SglWeightVersionBody, request: Request) -> JSONResponse:
     """rlinfer versions move only with an update (send ``weight_version`` with it): the current
     version is accepted (a no-op), any other is 409."""
@@ -408,7 +411,7 @@ async def server_info(request: Request) -> dict[str, Any]:
     }
 
 
-@router.get("/health_generate")
+@open_router.get("/health_generate")
 async def health_generate(request: Request) -> Response:
     """200 while the engine serves, 503 otherwise (empty bodies, as SGLang)."""
     try:
@@ -418,26 +421,4 @@ async def health_generate(request: Request) -> Response:
     return Response(status_code=200)
 
 
-CONTROL_PATHS = frozenset(
-    {
-        "/update_weights_from_disk",
-        "/init_weights_update_group",
-        "/update_weights_from_distributed",
-        "/update_weights_from_tensor",
-        "/begin_weight_update",
-        "/end_weight_update",
-        "/pause_generation",
-        "/continue_generation",
-        "/release_memory_occupation",
-        "/resume_memory_occupation",
-        "/flush_cache",
-        "/abort_request",
-        "/update_weight_version",
-    }
-)
-GENERATE_PATHS = frozenset(
-    {"/generate", "/server_info", "/get_server_info", "/model_info", "/get_model_info", "/get_weight_version"}
-)
-OPEN_PATHS = frozenset({"/health_generate"})
-
-DIALECT = Dialect("sglang", router, CONTROL_PATHS, OPEN_PATHS, paths=CONTROL_PATHS | GENERATE_PATHS | OPEN_PATHS)
+DIALECT = Dialect("sglang", (router, control_router, open_router))

@@ -29,10 +29,12 @@ from rlinfer_core.errors import EngineTimeout, RLInferError, UnsupportedCapabili
 from rlinfer_core.types import EngineConfig, MemoryTag, PauseMode
 from rlinfer_server.dialect_common import VersionConflict, error_status, parse_version, state_of
 from rlinfer_server.dialects import Dialect
+from rlinfer_server.guard import Access
 from rlinfer_server.vllm_generate import VllmGenerateBody, generate_answer, generate_requests
 from rlinfer_server.vllm_weights import default_weight_backend, session_of
 
 router = APIRouter()
+control_router = APIRouter(tags=[Access.CONTROL])
 
 
 def _error(exc: BaseException) -> JSONResponse:
@@ -41,7 +43,7 @@ def _error(exc: BaseException) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
-@router.post("/pause")
+@control_router.post("/pause")
 async def pause(
     request: Request,
     mode: Annotated[Literal["abort", "wait", "keep"], Query()] = "abort",
@@ -56,7 +58,7 @@ async def pause(
     return JSONResponse({"status": "paused"})
 
 
-@router.post("/resume")
+@control_router.post("/resume")
 async def resume(request: Request) -> JSONResponse:
     """Resume after ``/pause``."""
     try:
@@ -74,7 +76,7 @@ async def is_paused(request: Request) -> dict[str, bool]:
     return {"is_paused": bool(getattr(request.app.state, "vllm_paused", False))}
 
 
-@router.post("/abort_requests")
+@control_router.post("/abort_requests")
 async def abort_requests(request: Request) -> JSONResponse:
     """Abort ``request_ids`` (none or empty: every request in flight)."""
     import json
@@ -164,7 +166,7 @@ def vllm_config_sections(config: EngineConfig, capabilities: Capabilities, serve
     }
 
 
-@router.post("/sleep")
+@control_router.post("/sleep")
 async def sleep(
     request: Request,
     level: Annotated[int, Query()] = 1,
@@ -179,7 +181,7 @@ async def sleep(
     return Response(status_code=200)
 
 
-@router.post("/wake_up")
+@control_router.post("/wake_up")
 async def wake_up(request: Request, tags: Annotated[list[str] | None, Query()] = None) -> Response:
     """Re-allocate released memory (``tags``: weights, kv_cache; none: all)."""
     try:
@@ -195,7 +197,7 @@ async def is_sleeping(request: Request) -> dict[str, bool]:
     return {"is_sleeping": bool(state_of(request).engine.released)}
 
 
-@router.post("/reset_prefix_cache")
+@control_router.post("/reset_prefix_cache")
 async def reset_prefix_cache(
     request: Request,
     reset_running_requests: Annotated[bool, Query()] = False,
@@ -209,7 +211,7 @@ async def reset_prefix_cache(
     return JSONResponse({"success": True})
 
 
-@router.post("/init_weight_transfer_engine")
+@control_router.post("/init_weight_transfer_engine")
 async def init_weight_transfer_engine(
     request: Request, init_info: Annotated[dict[str, Any], Body(embed=True)]
 ) -> JSONResponse:
@@ -221,7 +223,7 @@ async def init_weight_transfer_engine(
     return JSONResponse({"message": "Weight transfer initialized"})
 
 
-@router.post("/start_weight_update")
+@control_router.post("/start_weight_update")
 async def start_weight_update(request: Request) -> JSONResponse:
     """Open an update (the body, e.g. ``{"is_checkpoint_format": true}``, is ignored as in vLLM)."""
     try:
@@ -231,7 +233,7 @@ async def start_weight_update(request: Request) -> JSONResponse:
     return JSONResponse({"message": "Weight update started"})
 
 
-@router.post("/update_weights")
+@control_router.post("/update_weights")
 async def update_weights(request: Request, update_info: Annotated[Any, Body(embed=True)]) -> JSONResponse:
     """Receive the tensors of ``update_info`` (``names``, ``dtype_names``, ``shapes``; or a list of
     such chunks) broadcast by rank 0, in order."""
@@ -242,7 +244,7 @@ async def update_weights(request: Request, update_info: Annotated[Any, Body(embe
     return JSONResponse({"message": "Weights updated"})
 
 
-@router.post("/finish_weight_update")
+@control_router.post("/finish_weight_update")
 async def finish_weight_update(
     request: Request, weight_version: Annotated[str | None, Body(embed=True)] = None
 ) -> JSONResponse:
@@ -264,7 +266,7 @@ SKYRL_METHODS = (
 )
 
 
-@router.post("/collective_rpc")
+@control_router.post("/collective_rpc")
 async def collective_rpc(
     request: Request,
     method: Annotated[str, Body()],
@@ -306,7 +308,7 @@ async def collective_rpc(
     return JSONResponse({"results": [None]})
 
 
-@router.post("/update_weight_version")
+@control_router.post("/update_weight_version")
 async def update_weight_version(request: Request, new_version: Annotated[str, Body(embed=True)]) -> JSONResponse:
     """The current version is accepted (a no-op); rlinfer versions move only with an update
     (``weight_version`` of ``/finish_weight_update``), so any other is 409."""
@@ -339,24 +341,4 @@ async def inference_generate(body: VllmGenerateBody, request: Request) -> JSONRe
     return JSONResponse(generate_answer(body, generate_request, completions, state.settings.served_model_name))
 
 
-CONTROL_PATHS = frozenset(
-    {
-        "/pause",
-        "/resume",
-        "/abort_requests",
-        "/sleep",
-        "/wake_up",
-        "/reset_prefix_cache",
-        "/init_weight_transfer_engine",
-        "/start_weight_update",
-        "/update_weights",
-        "/finish_weight_update",
-        "/update_weight_version",
-        "/collective_rpc",
-    }
-)
-GENERATE_PATHS = frozenset(
-    {"/is_paused", "/is_sleeping", "/get_world_size", "/server_info", "/weight_info", "/inference/v1/generate"}
-)
-
-DIALECT = Dialect("vllm", router, CONTROL_PATHS, frozenset(), paths=CONTROL_PATHS | GENERATE_PATHS)
+DIALECT = Dialect("vllm", (router, control_router))
