@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import pytest
 import torch
 from recording_double import DEFAULT_SUPPORTED, RecordingObserver
@@ -165,6 +166,21 @@ def test_the_bound_on_staged_bytes() -> None:
         with pytest.raises(StagingLimitExceeded):
             await engine.stage_weights(good_update(1.0))  # 24 > 20 from the start
         assert engine._staging.open is None
+        await engine.shutdown()
+
+    run(body())
+
+
+def test_the_config_is_read_at_every_call() -> None:
+    """A caller may replace ``engine.config`` while the engine runs (the kit bounds one test's
+    staging this way): the bound is the config's now, not the one at open."""
+
+    async def body() -> None:
+        engine = await opened()
+        engine.config = attrs.evolve(engine.config, max_staged_weight_bytes=20)
+        assert engine.staged_weight_limit == 20
+        with pytest.raises(StagingLimitExceeded):
+            await engine.stage_weights(good_update(1.0))  # 24 > 20
         await engine.shutdown()
 
     run(body())

@@ -113,9 +113,9 @@ class AsyncEngine:
         self.model_info: ModelInfo | None = None
         self._calls = BackendCalls(info.name, self._backend, lambda: self.capabilities)
         self._weights = Weights(
-            self._calls, config, self._observers, lambda: self.model_info, lambda: self._staging.open
+            self._calls, lambda: self.config, self._observers, lambda: self.model_info, lambda: self._staging.open
         )
-        self._staging = Staging(self._calls, config, self._observers, self._weights)
+        self._staging = Staging(self._calls, lambda: self.config, self._observers, self._weights)
 
     # --- lifecycle -----------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -47,7 +47,7 @@ class Staging:
     def __init__(
         self,
         calls: BackendCalls,
-        config: EngineConfig,
+        config: Callable[[], EngineConfig],
         observers: Observers,
         weights: Weights,
     ) -> None:
@@ -83,8 +83,8 @@ class Staging:
     @property
     def limit(self) -> int:
         """``AsyncEngine.staged_weight_limit``."""
-        if self._config.max_staged_weight_bytes is not None:
-            return self._config.max_staged_weight_bytes
+        if self._config().max_staged_weight_bytes is not None:
+            return self._config().max_staged_weight_bytes
         from rlinfer_core.transfer.buckets import to_dtype
 
         return sum(s.numel * to_dtype(s.dtype).itemsize for s in self._weights.specs.values())
@@ -167,7 +167,7 @@ class Staging:
         part = attrs.evolve(update, source=source, version=staging.version)
         try:
             await self._calls.with_timeout(
-                stage(staging.staging_id, part), self._config.request_timeout_s, "stage_weights"
+                stage(staging.staging_id, part), self._config().request_timeout_s, "stage_weights"
             )
         except Exception as exc:
             with contextlib.suppress(Exception):  # the failure to stage is what the caller must see

@@ -94,15 +94,16 @@ class Weights:
     """The served weights' state and every operation on it; the facade's public weight, memory
     and prefix-cache methods call these.
 
-    Receives the facade's :class:`~rlinfer_core.engine_calls.BackendCalls`, its config and
-    observers, and callables for the model's facts (known once the engine started) and for the
-    staged update now open (:class:`~rlinfer_core.engine_staging.Staging`).
+    Receives the facade's :class:`~rlinfer_core.engine_calls.BackendCalls` and observers, and
+    callables for its config (read at every use: a caller may replace ``engine.config``), the
+    model's facts (known once the engine started) and the staged update now open
+    (:class:`~rlinfer_core.engine_staging.Staging`).
     """
 
     def __init__(
         self,
         calls: BackendCalls,
-        config: EngineConfig,
+        config: Callable[[], EngineConfig],
         observers: Observers,
         model_info: Callable[[], ModelInfo | None],
         open_staging: Callable[[], AsyncWeightStaging | None],
@@ -120,7 +121,7 @@ class Weights:
         self.released: set[MemoryTag] = set()
         #: no valid weights: set by release_memory(discard_weights=True), a start with
         #: load_format="dummy" and a failed verification; cleared by the next full update
-        self.discarded = config.load_format == "dummy"
+        self.discarded = config().load_format == "dummy"
         #: why generation is refused while ``discarded``
         self._not_loaded_reason = DISCARDED
         self._specs: Mapping[str, TensorSpec] | None = None
@@ -188,7 +189,7 @@ class Weights:
         against ``sources``, and make ``target`` the live version (an update and a staged commit)."""
         calls = self._calls
         try:
-            await calls.with_timeout(load, self._config.request_timeout_s, what)
+            await calls.with_timeout(load, self._config().request_timeout_s, what)
         except (WeightUpdateError, EngineDead, EngineTimeout):
             raise
         except Exception as exc:
@@ -247,7 +248,7 @@ class Weights:
     @property
     def verifies_updates(self) -> bool:
         """``AsyncEngine.verifies_updates``."""
-        return self._config.verify_updates and self._calls.capabilities.supports(Capability.WEIGHTS_CHECKSUM)
+        return self._config().verify_updates and self._calls.capabilities.supports(Capability.WEIGHTS_CHECKSUM)
 
     async def _verify_update(self, *sources: WeightSource) -> None:
         """After a load: the engine's checksums of the updated tensors against the trainer's.
@@ -262,7 +263,9 @@ class Weights:
         from rlinfer_core.checksum import verify
 
         weights_checksum = self._calls.optional(ChecksumBackend.rlinfer_weights_checksum)
-        served = await self._calls.with_timeout(weights_checksum(), self._config.request_timeout_s, "weights_checksum")
+        served = await self._calls.with_timeout(
+            weights_checksum(), self._config().request_timeout_s, "weights_checksum"
+        )
         result = verify(served, sent, self._tied())
         if not result.ok:
             self.discarded = True
@@ -310,7 +313,7 @@ class Weights:
     def broadcast_ranks(self) -> int:
         """``AsyncEngine.broadcast_ranks``."""
         ranks = getattr(self._calls.backend, "broadcast_ranks", None)
-        return self._config.world_size if ranks is None else int(ranks)
+        return self._config().world_size if ranks is None else int(ranks)
 
     async def init_broadcast(self, group: BroadcastGroup) -> None:
         """``AsyncEngine.init_weight_broadcast``."""
@@ -331,7 +334,7 @@ class Weights:
         if MemoryTag.WEIGHTS in self.released:
             raise InvalidRequest("engine_state", "weights are released; call resume_memory(['weights']) first")
         self.require_loaded()
-        return await self._calls.with_timeout(weights_checksum(), self._config.request_timeout_s, "weights_checksum")
+        return await self._calls.with_timeout(weights_checksum(), self._config().request_timeout_s, "weights_checksum")
 
     async def verify(self, tensors: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> WeightVerification:
         """``AsyncEngine.verify_weights``."""
