@@ -83,8 +83,9 @@ class Staging:
     @property
     def limit(self) -> int:
         """``AsyncEngine.staged_weight_limit``."""
-        if self._config().max_staged_weight_bytes is not None:
-            return self._config().max_staged_weight_bytes
+        bound = self._config().max_staged_weight_bytes
+        if bound is not None:
+            return bound
         from rlinfer_core.transfer.buckets import to_dtype
 
         return sum(s.numel * to_dtype(s.dtype).itemsize for s in self._weights.specs.values())
