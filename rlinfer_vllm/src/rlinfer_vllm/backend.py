@@ -1,12 +1,13 @@
 """The vLLM backend: rlinfer's operation hooks for one vLLM engine, written once over a transport.
 
-Every concern is written here (or in the mixins :mod:`rlinfer_vllm.weights`,
-:mod:`rlinfer_vllm.staging`, :mod:`rlinfer_vllm.memory`) once for both flavours: in-flight
-tracking and abort, the pause gate, weight-load sequencing and version labels, memory tags,
-capabilities. The transport (:mod:`rlinfer_vllm.transport`) makes the engine calls:
-:class:`~rlinfer_vllm.transport.in_process.InProcessTransport` over vLLM's ``AsyncLLM``, or
-:class:`~rlinfer_vllm.transport.http.HttpTransport` over vLLM's own API server (``mode="server"``
-or ``server_url``). The factory is :func:`rlinfer_vllm.plugin.create`.
+Every concern is written once for both flavours: in-flight tracking, abort, the prefix cache and
+capabilities here; pause and load sequencing, weights, staging and memory tags in components the
+hooks delegate to (:class:`~rlinfer_vllm.load_gate.LoadSequencing`,
+:class:`~rlinfer_vllm.weights.WeightSync`, :class:`~rlinfer_vllm.staging.Staging`,
+:class:`~rlinfer_vllm.memory.MemoryControl`). The transport (:mod:`rlinfer_vllm.transport`) makes
+the engine calls: :class:`~rlinfer_vllm.transport.in_process.InProcessTransport` over vLLM's
+``AsyncLLM``, or :class:`~rlinfer_vllm.transport.http.HttpTransport` over vLLM's own API server
+(``mode="server"`` or ``server_url``). The factory is :func:`rlinfer_vllm.plugin.create`.
 """
 
 from __future__ import annotations
@@ -14,14 +15,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from rlinfer_core.checksum import WeightChecksum
 from rlinfer_core.errors import EngineDead
 from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.lora import LoraAdapter
 from rlinfer_core.model_info import ModelInfo
 from rlinfer_core.tools import ToolCalls, ToolSpec
-from rlinfer_core.transfer.arena import engine_arena
 from rlinfer_core.types import (
     Capabilities,
     Completion,
@@ -31,13 +32,13 @@ from rlinfer_core.types import (
     MemoryTag,
     PauseMode,
 )
-from rlinfer_core.weights import TensorSpec
+from rlinfer_core.weights import BroadcastGroup, TensorSpec, WeightUpdate
 from rlinfer_vllm.capabilities import installed_engine, installed_platform
 from rlinfer_vllm.config import resolve_platform
-from rlinfer_vllm.load_gate import LoadGate
-from rlinfer_vllm.memory import MemoryHooks
-from rlinfer_vllm.staging import StagingHooks
-from rlinfer_vllm.weights import WeightHooks
+from rlinfer_vllm.load_gate import LoadGate, LoadSequencing
+from rlinfer_vllm.memory import MemoryControl
+from rlinfer_vllm.staging import Staging
+from rlinfer_vllm.weights import WeightSync
 
 if TYPE_CHECKING:
     from rlinfer_vllm.transport import Transport
@@ -46,51 +47,31 @@ if TYPE_CHECKING:
 ABORT_SETTLE_S = 2.0
 
 
-class InFlight:
-    """Request ids of this backend in the engine (the transports add and discard them)."""
-
-    def __init__(self) -> None:
-        self.ids: set[str] = set()
-
-    def add(self, request_id: str) -> None:
-        """``request_id`` is on its way to the engine."""
-        self.ids.add(request_id)
-
-    def discard(self, request_id: str) -> None:
-        """``request_id`` ended in the engine (or never reached it)."""
-        self.ids.discard(request_id)
-
-    def __contains__(self, request_id: object) -> bool:
-        return request_id in self.ids
-
-
-class VllmBackend(WeightHooks, StagingHooks, MemoryHooks):
+class VllmBackend:
     """Implements rlinfer's operation hooks for one vLLM engine, in process or over its server."""
+
+    #: the facade skips its prefix-cache reset after an update: LoadSequencing.loading does what is needed
+    update_invalidates_prefixes = True
+    #: the facade leaves the values of CUDA tensors to WeightSync.prepare's packing
+    checks_cuda_tensor_values = True
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.platform = resolve_platform(config, installed_platform())
         found = installed_engine()
         self.engine_version = f"{found[0]} {found[1]}" if found else "not installed"
-        self._inflight = InFlight()
+        self._inflight: set[str] = set()  #: request ids of this backend in the engine (the transports add, discard)
         self._gate = LoadGate()
-        self._ipc_arena = engine_arena()
-        self._transport: Transport = _transport(config, self)
-        self._caps = self._transport.capabilities
+        self.transport: Transport = _transport(config, self)  #: the engine calls of this backend's flavour
+        self._caps = self.transport.capabilities
         self._closed = False
         self._specs: dict[str, TensorSpec] = {}
         self._info: ModelInfo | None = None
-        self._asleep: set[MemoryTag] = set()
-        self._implicitly_asleep: set[MemoryTag] = set()
-        #: held while pausing, resuming or loading weights; _user_pause: the caller's pause mode
-        self._pause_lock = asyncio.Lock()
-        self._user_pause: PauseMode | None = None
         self.start_seconds: float | None = None
-
-    @property
-    def transport(self) -> Transport:
-        """The engine calls of this backend's flavour."""
-        return self._transport
+        self._sequencing = LoadSequencing(self._alive, self._gate, self.rlinfer_reset_prefix_cache)
+        self._weights = WeightSync(config, self.platform, self._alive, self.rlinfer_capabilities, self._sequencing)
+        self._staging = Staging(self._alive, self._weights, self._sequencing)
+        self._memory = MemoryControl(self._alive, self.rlinfer_capabilities, self.rlinfer_reset_prefix_cache)
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -98,7 +79,7 @@ class VllmBackend(WeightHooks, StagingHooks, MemoryHooks):
     async def rlinfer_start(self, config: EngineConfig) -> None:
         """Start the engine (or attach to its server), read the parameter specs and the model's facts."""
         started = time.perf_counter()
-        facts = await self._transport.start()
+        facts = await self.transport.start()
         self._specs, self._info, self._caps = facts.specs, facts.info, facts.capabilities
         self.start_seconds = time.perf_counter() - started
 
@@ -117,14 +98,14 @@ class VllmBackend(WeightHooks, StagingHooks, MemoryHooks):
     def _alive(self) -> Transport:
         if self._closed:
             raise EngineDead("the vLLM engine is shut down; open a new engine")
-        self._transport.check_alive()
-        return self._transport
+        self.transport.check_alive()
+        return self.transport
 
     @hookimpl
     async def rlinfer_check_health(self) -> None:
         """Raise EngineDead when an engine process died, or the engine was shut down."""
         self._alive()
-        await self._transport.check_health()
+        await self.transport.check_health()
 
     @hookimpl
     async def rlinfer_shutdown(self) -> None:
@@ -133,14 +114,14 @@ class VllmBackend(WeightHooks, StagingHooks, MemoryHooks):
         if self._closed:
             return
         self._closed = True
-        await self._ipc_arena.close(lambda: self._transport.rpc("rlinfer_release_mapped"))
-        await self._transport.shutdown()
+        await self._weights.close(lambda: self.transport.rpc("rlinfer_release_mapped"))
+        await self.transport.shutdown()
 
     @hookimpl
     def rlinfer_engine_processes(self) -> Mapping[str, int]:
         """``{role: pid}`` of the engine's running processes (``APIServer`` of a launched server,
         ``EngineCore``, ``Worker-0``...; others by their name); none for an attached server."""
-        return self._transport.processes()
+        return self.transport.processes()
 
     # --- generate, abort, pause ----------------------------------------------------------------
 
@@ -159,7 +140,7 @@ class VllmBackend(WeightHooks, StagingHooks, MemoryHooks):
     async def rlinfer_abort(self, request_ids: Sequence[str] | None) -> None:
         """Abort requests (None: every request of this engine in flight); their callers get "abort"."""
         transport = self._alive()
-        ids = list(self._inflight.ids) if request_ids is None else list(request_ids)
+        ids = list(self._inflight) if request_ids is None else list(request_ids)
         self._gate.abort_waiting(ids)
         if not ids:
             return
@@ -177,18 +158,12 @@ class VllmBackend(WeightHooks, StagingHooks, MemoryHooks):
     @hookimpl
     async def rlinfer_pause(self, mode: PauseMode) -> None:
         """vLLM's pause; "keep" also keeps the KV cache of the frozen requests."""
-        transport = self._alive()
-        async with self._pause_lock:
-            await transport.pause(mode)
-            self._user_pause = mode
+        await self._sequencing.pause(mode)
 
     @hookimpl
     async def rlinfer_resume(self) -> None:
         """vLLM's resume."""
-        transport = self._alive()
-        async with self._pause_lock:
-            await transport.resume()
-            self._user_pause = None
+        await self._sequencing.resume()
 
     @hookimpl
     async def rlinfer_reset_prefix_cache(self) -> None:
@@ -205,6 +180,59 @@ class VllmBackend(WeightHooks, StagingHooks, MemoryHooks):
             # "Encoder cache miss" when sent again after it)
             await transport.reset_encoder_cache()
         self._gate.cache_was_reset()
+
+    # --- weights, staging, memory ------------------------------------------------------------
+
+    @hookimpl
+    def rlinfer_weight_specs(self) -> Mapping[str, TensorSpec]:
+        """The checkpoint's parameter names and shapes; dtypes: the checkpoint's under
+        ``dtype="auto"``, else the served dtype."""
+        return dict(self._specs)
+
+    @hookimpl
+    async def rlinfer_update_weights(self, update: WeightUpdate) -> None:
+        """Hand the (validated) update to the worker, which loads it all-or-nothing."""
+        await self._weights.update(update)
+
+    @hookimpl
+    async def rlinfer_weights_checksum(self) -> Mapping[str, WeightChecksum]:
+        """Checksums computed in the worker over what its kernels serve (see rlinfer_vllm.worker.served)."""
+        return await self._weights.checksums(self._info.tied_weights if self._info is not None else {})
+
+    async def quantized_check(self) -> dict[str, Any]:
+        """Not a hook (the GPU bench and the docs' recipe call it): :meth:`WeightSync.quantized_check`."""
+        return await self._weights.quantized_check()
+
+    @hookimpl
+    async def rlinfer_init_weight_broadcast(self, group: BroadcastGroup) -> None:
+        """Have the worker join the trainer's group (returns once every rank joined)."""
+        await self._weights.join_broadcast(group)
+
+    @hookimpl
+    async def rlinfer_stage_weights(self, staging_id: str, update: WeightUpdate) -> None:
+        """Copy the (validated) part into the worker's staging; generation goes on."""
+        await self._staging.stage(staging_id, update)
+
+    @hookimpl
+    async def rlinfer_commit_staged_weights(self, staging_id: str, version: int) -> None:
+        """Load the staged tensors with no engine step overlapping; tokens after it are ``version``."""
+        await self._staging.commit(staging_id, version)
+
+    @hookimpl
+    async def rlinfer_cancel_staged_weights(self, staging_id: str) -> None:
+        """Drop the worker's staged tensors."""
+        await self._staging.cancel(staging_id)
+
+    @hookimpl
+    async def rlinfer_release_memory(self, tags: frozenset[MemoryTag], discard_weights: bool = False) -> None:
+        """GPU: vLLM sleep mode (level 2 with ``discard_weights``: the weights are dropped, not
+        offloaded). CPU: UnsupportedCapability (vLLM frees nothing there)."""
+        await self._memory.release(tags, discard_weights)
+
+    @hookimpl
+    async def rlinfer_resume_memory(self, tags: frozenset[MemoryTag]) -> None:
+        """GPU: vLLM wake_up for ``tags`` (and the KV cache released along with the weights)."""
+        await self._memory.resume(tags)
 
     # --- what one flavour may lack (its capabilities say so; the facade's gate refuses first) ---
 
@@ -259,4 +287,4 @@ if TYPE_CHECKING:
     _checked: type[FullBackend] = VllmBackend
 
 
-__all__ = ["ABORT_SETTLE_S", "InFlight", "VllmBackend"]
+__all__ = ["ABORT_SETTLE_S", "VllmBackend"]

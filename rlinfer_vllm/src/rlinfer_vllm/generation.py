@@ -33,7 +33,6 @@ if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from rlinfer_core.lora_shelf import ServedAdapter
-    from rlinfer_vllm.backend import InFlight
     from rlinfer_vllm.versions import TokenVersions
 
 
@@ -41,7 +40,7 @@ class Generation(RawLogprobs):
     """``generate`` / ``stream`` of :class:`rlinfer_vllm.transport.in_process.InProcessTransport`."""
 
     _info: ModelInfo | None
-    _inflight: InFlight
+    _inflight: set[str]
     config: EngineConfig
 
     def _lora_acquire(self, request: GenerateRequest) -> ServedAdapter | None:

@@ -1,20 +1,30 @@
-"""Weight loads without a scheduler pause when the engine is idle.
+"""Weight loads sequenced around engine steps, and the caller's pause of vLLM's scheduler.
 
 Exact per-token versions need every engine step to run wholly before or wholly after a load
-(:mod:`rlinfer_vllm.versions`). With requests running, the backend gets that from a pause of
-vLLM's scheduler in "keep" mode, two engine-core round trips. With none running, holding this
-backend's new requests back for the load is enough: no step can run, so none can straddle it.
-
-:class:`LoadGate` counts this backend's requests in the engine and holds new ones back while a
-load runs. It also remembers whether any request reached the engine since the prefix cache was
-last reset, so an update after an idle spell skips a reset that would drop nothing.
+(:mod:`rlinfer_vllm.versions`). :class:`LoadSequencing` owns the caller's pause and runs each load
+the cheapest way that keeps it between two steps: with requests running, a load at the engine
+core's step boundary or a pause of vLLM's scheduler in "keep" mode; with none running, holding
+this backend's new requests back at the :class:`LoadGate` (no step can run, so none can straddle
+the load). The gate counts this backend's requests in the engine, and remembers whether any
+reached it since the prefix cache was last reset, so an update after an idle spell skips a reset
+that would drop nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterable
+import functools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+from rlinfer_core.types import PauseMode
+
+if TYPE_CHECKING:
+    from rlinfer_vllm.transport import Transport
+
+logger = logging.getLogger("rlinfer_vllm.backend")
 
 
 class Entry:
@@ -97,3 +107,94 @@ class LoadGate:
             yield self._active == 0
         finally:
             self._open.set()
+
+
+#: how long an update holds new requests back for the admitted ones to finish prefilling, so
+#: that loading needs no prefix-cache reset (a reset preempts every running request: on an H100
+#: under 128 streams it stalled generation 80-330 ms per update)
+PREFILL_SETTLE_S = 0.25
+
+#: ``rpc(method, *args)``: call ``RLInferWorkerExtension.<method>`` in the worker (bytes as bytes)
+Rpc = Callable[..., Awaitable[Any]]
+
+
+class LoadSequencing:
+    """Pause and resume for the caller, and the surroundings of every weight load (both flavours)."""
+
+    def __init__(
+        self, alive: Callable[[], Transport], gate: LoadGate, reset_prefix_cache: Callable[[], Awaitable[None]]
+    ) -> None:
+        self._alive = alive  #: the live transport (EngineDead once shut down)
+        self._gate = gate
+        self._reset_prefix_cache = reset_prefix_cache  #: the backend's (it skips a reset that would drop nothing)
+        self._lock = asyncio.Lock()  #: held while pausing, resuming or loading weights
+        self._user_pause: PauseMode | None = None  #: the caller's pause mode (None: not paused)
+
+    async def pause(self, mode: PauseMode) -> None:
+        """vLLM's pause for the caller; loads meanwhile need no pause of their own."""
+        transport = self._alive()
+        async with self._lock:
+            await transport.pause(mode)
+            self._user_pause = mode
+
+    async def resume(self) -> None:
+        """vLLM's resume for the caller."""
+        transport = self._alive()
+        async with self._lock:
+            await transport.resume()
+            self._user_pause = None
+
+    @contextlib.asynccontextmanager
+    async def loading(self, version: int | None) -> AsyncIterator[Rpc]:
+        """The ``rpc`` to load an update with, and what surrounds it: no engine step overlaps the
+        load, so the boundary between old- and new-version tokens is exact, and the outputs of
+        every step after it are labelled ``version`` (None: a load that starts no new version).
+        KV caches are kept. Cheapest first:
+
+        - the caller's pause holds the scheduler, or none of our requests is in the engine (a
+          gated transport: holding new ones back is enough, :class:`LoadGate`): the worker call
+          as it is;
+        - the engine core loads between two of its steps (in process,
+          :mod:`rlinfer_vllm.engine_core.step_boundary`): one call, no round trip between
+          pause, load and resume;
+        - else the scheduler is paused in "keep" mode around the load (three round trips).
+        """
+        transport = self._alive()
+        async with self._lock, self._gate.held() as idle:
+            if self._user_pause is not None or (idle and transport.gated):
+                yield transport.rpc
+                await self._after_load(transport, version)
+                return
+            if version is not None and transport.salted:
+                # generation goes on meanwhile; a request still prefilling under the old salt
+                # would make the load reset the cache, preempting every running request
+                await transport.settle_prefills(PREFILL_SETTLE_S)
+            if version is not None and transport.loads_at_step_boundary:
+                yield functools.partial(transport.rpc_at_step_boundary, version=version)
+                return
+            await transport.pause_for_load()
+            try:
+                yield transport.rpc
+                await self._after_load(transport, version)  # before any step runs again
+            finally:
+                await transport.resume_after_load()
+
+    async def _after_load(self, transport: Transport, version: int | None) -> None:
+        """Label later outputs ``version``, and leave no prefix computed by the old weights to a
+        request of the new version.
+
+        Salted requests (:mod:`rlinfer_vllm.versions`) need no prefix-cache reset: the new
+        version's salt reaches none of the old blocks, and running requests keep their KV. Unless
+        a request admitted under the old salt may not have prefilled yet (it would prefill with
+        the new weights and could read old blocks): then, as on a transport that cannot salt,
+        vLLM's cache is reset (running requests recomputed if they hold blocks). Image embeddings
+        are keyed by the image alone, so the encoder cache is always dropped."""
+        if version is not None:
+            await transport.label_version(version)
+        if transport.salted and version is not None and not transport.prefill_pending():
+            logger.debug("weight update: prefix cache kept (requests are salted by version)")
+            if transport.multimodal:
+                await transport.reset_encoder_cache()
+            return
+        logger.debug("weight update: prefix cache reset (salted: %s)", transport.salted)
+        await self._reset_prefix_cache()

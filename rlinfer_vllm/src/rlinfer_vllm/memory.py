@@ -1,39 +1,37 @@
-"""The vLLM backend's memory hooks (a mixin, both flavours): vLLM sleep mode on CUDA, refused on
-CPU (vLLM frees nothing there)."""
+"""Memory control of the vLLM backend (both flavours): vLLM sleep mode on CUDA, refused on CPU
+(vLLM frees nothing there)."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.types import Capabilities, Capability, MemoryTag
 
 if TYPE_CHECKING:
     from rlinfer_vllm.transport import Transport
 
 
-class MemoryHooks:
-    """``rlinfer_release_memory`` / ``rlinfer_resume_memory`` of
-    :class:`rlinfer_vllm.backend.VllmBackend`."""
+class MemoryControl:
+    """Which memory tags of one vLLM engine are released, and which went along with the others."""
 
-    _caps: Capabilities
-    _asleep: set[MemoryTag]
-    _implicitly_asleep: set[MemoryTag]
+    def __init__(
+        self,
+        alive: Callable[[], Transport],
+        capabilities: Callable[[], Capabilities],
+        reset_prefix_cache: Callable[[], Awaitable[None]],
+    ) -> None:
+        self._alive = alive  #: the live transport (EngineDead once shut down)
+        self._capabilities = capabilities  #: the backend's current ones (refined at start)
+        self._reset_prefix_cache = reset_prefix_cache  #: the backend's reset
+        self._asleep: set[MemoryTag] = set()
+        self._implicitly_asleep: set[MemoryTag] = set()  #: released along with a tag asked for, not asked for itself
 
-    def _alive(self) -> Transport:
-        raise NotImplementedError
-
-    async def rlinfer_reset_prefix_cache(self) -> None:
-        """Implemented by the backend."""
-        raise NotImplementedError
-
-    @hookimpl
-    async def rlinfer_release_memory(self, tags: frozenset[MemoryTag], discard_weights: bool = False) -> None:
-        """GPU: vLLM sleep mode (level 2 with ``discard_weights``: the weights are dropped, not
-        offloaded). CPU: UnsupportedCapability (vLLM frees nothing there)."""
-        self._caps.require(Capability.MEMORY_RELEASE)
+    async def release(self, tags: frozenset[MemoryTag], discard_weights: bool) -> None:
+        """GPU: vLLM sleep mode for ``tags`` (level 2 with ``discard_weights``). CPU: UnsupportedCapability."""
+        self._capabilities().require(Capability.MEMORY_RELEASE)
         if discard_weights:
-            self._caps.require(Capability.MEMORY_DISCARD_WEIGHTS)
+            self._capabilities().require(Capability.MEMORY_DISCARD_WEIGHTS)
         transport = self._alive()
         # a tag already released along with the other one: now the caller owns it
         for tag in tags & self._implicitly_asleep:
@@ -51,10 +49,9 @@ class MemoryHooks:
             await transport.release_kv_cache()
             self._asleep.add(MemoryTag.KV_CACHE)
 
-    @hookimpl
-    async def rlinfer_resume_memory(self, tags: frozenset[MemoryTag]) -> None:
+    async def resume(self, tags: frozenset[MemoryTag]) -> None:
         """GPU: vLLM wake_up for ``tags`` (and the KV cache released along with the weights)."""
-        self._caps.require(Capability.MEMORY_RELEASE)
+        self._capabilities().require(Capability.MEMORY_RELEASE)
         transport = self._alive()
         wake = (set(tags) | self._implicitly_asleep) & self._asleep
         if not wake:
@@ -63,4 +60,4 @@ class MemoryHooks:
         self._asleep -= wake
         self._implicitly_asleep -= wake
         if MemoryTag.KV_CACHE in wake:
-            await self.rlinfer_reset_prefix_cache()
+            await self._reset_prefix_cache()

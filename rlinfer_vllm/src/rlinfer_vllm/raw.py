@@ -42,7 +42,7 @@ DRAIN_POLL_S = 0.005
 
 
 class RawLogprobs:
-    """Raw-logprob scoring, mixed into :class:`rlinfer_vllm.backend.VllmBackend`."""
+    """Raw-logprob scoring, mixed into :class:`rlinfer_vllm.generation.Generation` (the in-process transport)."""
 
     _scoring = 0
     _gate: LoadGate

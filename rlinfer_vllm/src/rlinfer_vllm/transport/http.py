@@ -19,7 +19,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 
@@ -51,9 +51,6 @@ from rlinfer_vllm.transport.server_command import server_argv, server_process, w
 from rlinfer_vllm.transport.stream_versions import StreamVersions
 from rlinfer_vllm.versions import cache_salt, salt_nonce
 
-if TYPE_CHECKING:
-    from rlinfer_vllm.backend import InFlight
-
 #: a stream's token versions where vLLM's token endpoint reports no weight-version spans
 STREAM_026_NOTE = (
     "vLLM 0.26 server: a stream's deltas read after a weight update are stamped with the new version "
@@ -69,7 +66,7 @@ class HttpTransport:
     gated = False
     multimodal = False
 
-    def __init__(self, config: EngineConfig, platform: Platform, engine_version: str, inflight: InFlight) -> None:
+    def __init__(self, config: EngineConfig, platform: Platform, engine_version: str, inflight: set[str]) -> None:
         self.config = config
         self.platform = platform
         self._inflight = inflight
@@ -113,7 +110,7 @@ class HttpTransport:
     def prefill_pending(self) -> bool:
         """Whether a request of this backend is in flight: the server does not say whether it
         prefilled (each request's salt is read in the same step as it is counted in flight)."""
-        return bool(self._inflight.ids)
+        return bool(self._inflight)
 
     async def settle_prefills(self, timeout_s: float) -> None:
         """Returns at once: the server does not say when a request's prefill ended."""

@@ -35,7 +35,6 @@ from rlinfer_vllm.versions import TokenVersions
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from rlinfer_vllm.backend import InFlight
     from rlinfer_vllm.load_gate import LoadGate
 
 
@@ -63,7 +62,7 @@ class InProcessTransport(LoraAdapters, RawBaseline, Generation):
     gated = True
 
     def __init__(
-        self, config: EngineConfig, platform: Platform, engine_version: str, inflight: InFlight, gate: LoadGate
+        self, config: EngineConfig, platform: Platform, engine_version: str, inflight: set[str], gate: LoadGate
     ) -> None:
         self.config = config
         self.platform = platform
