@@ -32,7 +32,6 @@ from contextlib import contextmanager
 from typing import Any
 
 from rlinfer_core.errors import InvalidRequest
-from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.structured import StructuredKind, StructuredOutput
 from rlinfer_core.tools import HERMES_END as END
 from rlinfer_core.tools import HERMES_START as START
@@ -62,11 +61,6 @@ def structured_params(constraint: StructuredOutput | None) -> dict[str, Any]:
     if constraint.kind is StructuredKind.EBNF:
         return {"ebnf": constraint.value}
     return {"regex": "(" + "|".join(escape(c) for c in constraint.value) + ")"}
-
-
-def openai_tools(tools: Sequence[ToolSpec] | None) -> list[dict[str, Any]] | None:
-    """The ``tools=`` argument of ``apply_chat_template`` (None without tools)."""
-    return [t.to_openai() for t in tools] if tools else None
 
 
 @contextmanager
@@ -174,13 +168,4 @@ def _unread(body: str, raw: str, closed: bool, llama: bool = False) -> ToolCall:
     return ToolCall(name=None, raw=raw, error=f"the call must be a JSON object with {keys}, got {obj!r}"[:300])
 
 
-class AgentHooks:
-    """``rlinfer_parse_tool_calls``; mixed into :class:`rlinfer_sglang.backend.SGLangBackend`."""
-
-    @hookimpl
-    def rlinfer_parse_tool_calls(self, text: str, parser: str, tools: Sequence[ToolSpec]) -> ToolCalls:
-        """Tool calls in ``text`` by SGLang's own ``FunctionCallParser`` (see the module doc)."""
-        return parse(text, parser, tools)
-
-
-__all__ = ["ENGINE_PARSERS", "AgentHooks", "escape", "openai_tools", "parse", "structured_params"]
+__all__ = ["ENGINE_PARSERS", "escape", "parse", "structured_params"]

@@ -1,11 +1,15 @@
-"""Generate and stream: rlinfer requests to SGLang and its outputs back, over either transport."""
+"""Generate and stream: rlinfer requests to SGLang and its outputs back, over either transport.
+
+:class:`Generation` owns what requests are built from: the tokenizer, priority sign and hidden
+size SGLang serves, and the serialized logits processor.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import attrs
@@ -13,35 +17,57 @@ import attrs
 from rlinfer_core.chat_template import prompt_ids
 from rlinfer_core.errors import RLInferError
 from rlinfer_core.hidden_states import hidden_size
-from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.merge import merge
+from rlinfer_core.model_info import ModelInfo
 from rlinfer_core.preflight import check_kv_room
 from rlinfer_core.routing import moe_shape
 from rlinfer_core.types import Completion, CompletionDelta, FinishReason, GenerateRequest, LogprobsMode
 from rlinfer_sglang import images, outputs
 from rlinfer_sglang import requests as bodies
-from rlinfer_sglang.lora import LoraHooks
+from rlinfer_sglang.inflight import InFlight
+from rlinfer_sglang.lora import LoraAdapters
+from rlinfer_sglang.transport import Served, Transport
 
 #: one sample: its request, its index among the request's n, its prompt ids
 Sample = tuple[GenerateRequest, int, list[int]]
 
 
-class Generation(LoraHooks):
-    """``rlinfer_generate``, ``rlinfer_generate_stream`` and the raw-generate bench hook."""
+@attrs.define(eq=False)
+class Generation:
+    """Generate and stream, for the model ``model_info`` describes."""
+
+    #: the served model's name or directory (its config.json)
+    _model: str
+    _transport: Transport
+    _flight: InFlight
+    _lora: LoraAdapters
+    _model_info: Callable[[], ModelInfo]
+    _tokenizer: Any = attrs.field(default=None, init=False)
+    _served_hidden_size: int | None = attrs.field(default=None, init=False)
+    #: rlinfer priority -> SGLang's (rlinfer_sglang.requests.priority_sign); None: no priority scheduling
+    _priority_sign: int | None = attrs.field(default=None, init=False)
+    _processor_str: str = attrs.field(default="", init=False)
+
+    def started(self, served: Served) -> None:
+        """Take what the started engine serves: its tokenizer, priority sign and hidden size."""
+        self._tokenizer = served.tokenizer
+        self._served_hidden_size = served.hidden_size
+        self._priority_sign = served.priority_sign
 
     def _prompt_ids(self, request: GenerateRequest) -> list[int]:
-        ids = prompt_ids(self._tokenizer, request, self._max_len())
-        ids = images.expanded_prompt(self.config.model, request, ids)  # as SGLang will see them
+        info = self._model_info()
+        ids = prompt_ids(self._tokenizer, request, info.max_model_len)
+        ids = images.expanded_prompt(self._model, request, ids)  # as SGLang will see them
         if request.prompt_token_ids is None or request.all_images:  # the facade checked plain token ids
-            check_kv_room(len(ids), request.sampling.max_tokens, self._model())
+            check_kv_room(len(ids), request.sampling.max_tokens, info)
         return ids
 
     def _body(self, request: GenerateRequest, ids: list[int], rid: str, stream: bool) -> dict[str, Any]:
         """The ``GenerateReqInput`` fields of one sample (:mod:`rlinfer_sglang.requests`); built
         right after ``flight.track(rid)`` with no await between, so its cache key names the version
         its tokens start with (an update cannot land in between: see versions.py)."""
-        params = bodies.sampling_params(request, len(ids), self._max_len(), self._model().vocab_size)
-        lora = self._lora_of.get(request.request_id)
+        info = self._model_info()
+        params = bodies.sampling_params(request, len(ids), info.max_model_len, info.vocab_size)
         body = bodies.sample_body(
             request,
             ids,
@@ -50,10 +76,10 @@ class Generation(LoraHooks):
             self._processor(),
             stream,
             self._priority_sign,
-            None if lora is None else lora.engine_name,
+            self._lora.engine_name(request.request_id),
             self._cache_key(self._flight.versions.started(rid)),
         )
-        return {**body, **images.engine_input(self.config.model, request, ids)}  # input_ids (+ image_data)
+        return {**body, **images.engine_input(self._model, request, ids)}  # input_ids (+ image_data)
 
     def _cache_key(self, version: int) -> str | None:
         """The ``extra_key`` of a request served by weight version ``version`` (None where the
@@ -69,15 +95,14 @@ class Generation(LoraHooks):
         dead = self._transport.translate(exc)
         if dead is not exc:
             return dead
-        oom = out_of_memory(str(getattr(exc, "detail", None) or exc), self._info)
+        oom = out_of_memory(str(getattr(exc, "detail", None) or exc), self._model_info())
         if oom is not None:  # a ValueError (in process), an HTTP 400, fastapi's HTTPException (500, 503)
             return oom
         if isinstance(exc, ValueError):
             return InvalidRequest("request", f"SGLang rejected it: {exc}")
         return exc
 
-    @hookimpl
-    async def rlinfer_generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:
+    async def generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:
         """Send every sample to SGLang as one batch; n completions per request, in request order.
 
         One batched ``GenerateReqInput`` (not one call per sample) lets SGLang's scheduler see
@@ -85,11 +110,11 @@ class Generation(LoraHooks):
         """
         self._transport.alive()
         prompts = [self._prompt_ids(r) for r in requests]
-        self._lora_acquire(requests)
+        self._lora.acquire(requests)
         try:
             return await self._generate(requests, prompts)
         finally:
-            await self._lora_done(requests)
+            await self._lora.done(requests)
 
     async def _generate(self, batch: Sequence[GenerateRequest], prompts: list[list[int]]) -> list[Completion]:
         flight = self._flight
@@ -149,9 +174,9 @@ class Generation(LoraHooks):
         meta = out.get("meta_info") or {}
         # SGLang's own spans where the transport labels versions; else the loader's record
         versions = outputs.expand_versions(meta, len(c.token_ids)) or self._flight.versions.of(rid, len(c.token_ids))
-        routes = outputs.routed_experts(r, meta, len(ids) + len(c.token_ids), moe_shape(self.config.model))
+        routes = outputs.routed_experts(r, meta, len(ids) + len(c.token_ids), moe_shape(self._model))
         prompt_states, states = outputs.hidden_states(r, meta, len(ids), len(c.token_ids), self._hidden_size(r))
-        c = images.with_multimodal(self.config.model, r, c, meta)
+        c = images.with_multimodal(self._model, r, c, meta)
         return attrs.evolve(
             c, token_versions=versions, routed_experts=routes, hidden_states=states, prompt_hidden_states=prompt_states
         )
@@ -181,9 +206,9 @@ class Generation(LoraHooks):
         """The served model's hidden size (0 when the request asks for no hidden states)."""
         if not request.sampling.return_hidden_states:
             return 0
-        size = self._served_hidden_size or hidden_size(self.config.model)
+        size = self._served_hidden_size or hidden_size(self._model)
         if not size:
-            raise RLInferError(f"the hidden size of {self.config.model!r} is unknown (no config.json hidden_size)")
+            raise RLInferError(f"the hidden size of {self._model!r} is unknown (no config.json hidden_size)")
         return int(size)
 
     def _processor(self) -> str:
@@ -194,19 +219,18 @@ class Generation(LoraHooks):
             self._processor_str = serialized()
         return self._processor_str
 
-    @hookimpl
-    async def rlinfer_generate_stream(self, request: GenerateRequest) -> AsyncIterator[CompletionDelta]:
-        """Stream deltas of every sample (SGLang streams cumulative outputs; deltas are cut here)."""
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[CompletionDelta]:
+        """Deltas of every sample, cut here from the cumulative outputs SGLang streams."""
         self._transport.alive()
         ids = self._prompt_ids(request)
-        self._lora_acquire([request])
+        self._lora.acquire([request])
         samples = [self._stream_sample(request, i, ids) for i in range(request.sampling.n)]
         try:
             async for delta in merge(samples):
                 yield delta
         finally:
             self._flight.aborted.discard(request.request_id)
-            await self._lora_done([request])
+            await self._lora.done([request])
 
     async def _stream_sample(
         self, request: GenerateRequest, index: int, ids: list[int]
@@ -255,18 +279,3 @@ class Generation(LoraHooks):
             flight.untrack(request.request_id, rid)
             flight.versions.forget(rid)
             flight.release()
-
-    # --- benchmarking --------------------------------------------------------------------------
-
-    @hookimpl
-    async def rlinfer_bench_raw_generate(self, requests: Sequence[GenerateRequest]) -> int:
-        """The same batch in one native batched generate call with hand-built params."""
-        from rlinfer_sglang.requests import bench_body
-
-        self._transport.alive()
-        body = bench_body(requests)
-        if body is None:
-            return 0
-        self._flight.cache_dirty = True  # the baseline skips the admission gate, but fills the radix cache
-        outs = await self._transport.raw_generate(body)
-        return sum(len(o["output_ids"]) for o in outs)

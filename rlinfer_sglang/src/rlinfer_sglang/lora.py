@@ -13,74 +13,73 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from rlinfer_core.errors import InvalidRequest
-from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.lora import LoraAdapter
 from rlinfer_core.lora_shelf import AdapterShelf, ServedAdapter
 from rlinfer_core.types import GenerateRequest
-from rlinfer_sglang.base import BackendBase
+from rlinfer_sglang.transport import Transport
 
 
-class LoraHooks(BackendBase):
-    """``rlinfer_load_lora`` / ``rlinfer_unload_lora`` / ``rlinfer_list_loras`` and the per-request
-    adapter lookup; part of :class:`rlinfer_sglang.backend.SGLangBackend`."""
+class LoraAdapters:
+    """The adapters SGLang serves for rlinfer, and which adapter each request in flight uses."""
 
-    _lora: AdapterShelf
-    #: request id -> the adapter its samples use, from admission to the end of the request
-    _lora_of: dict[str, ServedAdapter]
+    def __init__(self, transport: Transport) -> None:
+        self._transport = transport
+        self._shelf = AdapterShelf(self._remove)
+        #: request id -> the adapter its samples use, from admission to the end of the request
+        self._of: dict[str, ServedAdapter] = {}
 
-    def _lora_init(self) -> None:
-        self._lora = AdapterShelf(self._lora_remove)
-        self._lora_of = {}
-
-    async def _lora_remove(self, served: ServedAdapter) -> None:
+    async def _remove(self, served: ServedAdapter) -> None:
         ok, error = await self._transport.unload_lora(served.engine_name)
         if not ok:
             raise InvalidRequest("lora", f"SGLang did not unload {served.engine_name!r}: {error}")
 
-    @hookimpl
-    async def rlinfer_load_lora(self, adapter: LoraAdapter, replace: bool) -> None:
-        """Load ``adapter`` as a new SGLang adapter (``replace``: and switch its name to it)."""
+    async def load(self, adapter: LoraAdapter) -> None:
+        """Load ``adapter`` as a new SGLang adapter; its name switches to it once loaded."""
         self._transport.alive()
-        served = self._lora.prepare(adapter)
+        served = self._shelf.prepare(adapter)
         try:
             ok, error = await self._transport.load_lora(served.engine_name, str(served.folder))
         except Exception:
-            self._lora.discard(served)
+            self._shelf.discard(served)
             raise
         if not ok:
-            self._lora.discard(served)
+            self._shelf.discard(served)
             raise InvalidRequest("lora", f"SGLang rejected adapter {adapter.name!r}: {error}")
-        await self._lora.put(served)
+        await self._shelf.put(served)
 
-    @hookimpl
-    async def rlinfer_unload_lora(self, name: str) -> None:
-        """Unload adapter ``name`` (its SGLang adapter goes once no request in flight uses it)."""
-        await self._lora.unload(name)
+    async def unload(self, name: str) -> None:
+        """Unload adapter ``name`` once no request in flight uses it."""
+        await self._shelf.unload(name)
 
-    @hookimpl
-    async def rlinfer_list_loras(self) -> Sequence[str]:
+    def names(self) -> list[str]:
         """Names of the adapters SGLang holds and rlinfer serves."""
         held = self._transport.lora_names()
-        return sorted(s.name for s in self._lora.live() if s.engine_name in held)
+        return sorted(s.name for s in self._shelf.live() if s.engine_name in held)
 
-    def _lora_acquire(self, requests: Sequence[GenerateRequest]) -> None:
-        """Pin the adapter each request names until :meth:`_lora_done` (all or none)."""
+    def engine_name(self, request_id: str) -> str | None:
+        """SGLang's name of the adapter request ``request_id`` uses (None: the base weights)."""
+        served = self._of.get(request_id)
+        return None if served is None else served.engine_name
+
+    def acquire(self, requests: Sequence[GenerateRequest]) -> None:
+        """Pin the adapter each request names until :meth:`done` (all or none)."""
         taken: list[GenerateRequest] = []
         try:
             for request in requests:
-                served = self._lora.acquire(request.lora)
+                served = self._shelf.acquire(request.lora)
                 if served is not None:
-                    self._lora_of[request.request_id] = served
+                    self._of[request.request_id] = served
                     taken.append(request)
         except InvalidRequest:
             for request in taken:
-                self._lora_of.pop(request.request_id).users -= 1
+                self._of.pop(request.request_id).users -= 1
             raise
 
-    async def _lora_done(self, requests: Sequence[GenerateRequest]) -> None:
+    async def done(self, requests: Sequence[GenerateRequest]) -> None:
+        """These requests ended: unpin their adapters."""
         for request in requests:
-            await self._lora.done(self._lora_of.pop(request.request_id, None))
+            await self._shelf.done(self._of.pop(request.request_id, None))
 
-    def _lora_cleanup(self) -> None:
+    def close(self) -> None:
         """Remove the temporary adapter directories (at shutdown)."""
-        self._lora.close()
+        self._shelf.close()

@@ -4,7 +4,8 @@ groups, and the prefix cache they make stale.
 Every weight source goes to rlinfer's scheduler-side loader (:mod:`rlinfer_sglang.scheduler.loader`)
 through SGLang's ``update_weights_from_tensor`` (inside ``begin_weight_update`` /
 ``end_weight_update`` where SGLang has them); the loader reads and checks everything before
-loading and writes its outcome to a file per TP rank.
+loading and writes its outcome to a file per TP rank. :class:`Weights` owns those files, the served
+specs, the broadcast group's name and the arena CUDA tensors are packed into.
 
 Sequencing where the transport salts (in process): every request carries its weight version's
 radix-cache key (:func:`rlinfer_sglang.requests.cache_key`), so an update flushes nothing and
@@ -27,6 +28,8 @@ import asyncio
 import contextlib
 import json
 import logging
+import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -35,9 +38,9 @@ from typing import TYPE_CHECKING, Any, assert_never
 
 import attrs
 
-from rlinfer_core.errors import InvalidRequest, RLInferError, WeightUpdateError
-from rlinfer_core.hookspecs import hookimpl
-from rlinfer_core.types import Capability
+from rlinfer_core.errors import BackendLoadError, InvalidRequest, RLInferError, WeightUpdateError
+from rlinfer_core.transfer.arena import PackArena, engine_arena
+from rlinfer_core.types import Capabilities, Capability, EngineConfig
 from rlinfer_core.weights import (
     BroadcastGroup,
     BroadcastSource,
@@ -49,7 +52,10 @@ from rlinfer_core.weights import (
     WeightUpdate,
 )
 from rlinfer_sglang import requests as bodies
-from rlinfer_sglang.base import BackendBase
+from rlinfer_sglang.capabilities import Platform
+from rlinfer_sglang.inflight import InFlight
+from rlinfer_sglang.pausing import Pausing
+from rlinfer_sglang.transport import Served, Transport
 
 if TYPE_CHECKING:
     from rlinfer_core.checksum import WeightChecksum
@@ -65,38 +71,52 @@ IDLE_FLUSH_WAIT_S = 5.0
 SEND_WAIT_S = 30.0
 
 
-class Weights(BackendBase):
+@attrs.define(eq=False)
+class Weights:
     """Weight specs, updates over every weight source, broadcast groups, checksums, prefix cache."""
 
-    @hookimpl
-    def rlinfer_weight_specs(self) -> Mapping[str, TensorSpec]:
-        """The checkpoint's parameter names, in the engine's dtype, with their shapes."""
-        return dict(self._specs)
-
-    #: the facade leaves the values of CUDA tensors to the packing in :meth:`_load`
-    checks_cuda_tensor_values = True
-
+    _config: EngineConfig
+    _platform: Platform
+    _transport: Transport
+    _flight: InFlight
+    _pausing: Pausing
+    _capabilities: Callable[[], Capabilities]
+    #: the served parameters (the checkpoint's names and shapes, in the engine's dtype)
+    specs: dict[str, TensorSpec] = attrs.field(factory=dict, init=False)
+    #: where the scheduler-side loader writes its outcome, a file per TP rank
+    _result_dir: Path = attrs.field(factory=lambda: Path(tempfile.mkdtemp(prefix="rlinfer-sglang-")), init=False)
+    _group_name: str = attrs.field(default="", init=False)
+    #: the buffers CUDA tensors are packed into for the scheduler, reused while the layout stays
+    _ipc_arena: PackArena = attrs.field(factory=engine_arena, init=False)
     #: the cache key of the version an update in progress loads (salting transports only)
-    _update_key: str | None = None
+    _update_key: str | None = attrs.field(default=None, init=False)
     #: a salted update found requests that SGLang's pause keeps from its scheduler: it flushes
-    _late_requests: bool = False
+    _late_requests: bool = attrs.field(default=False, init=False)
 
-    @property
-    def update_invalidates_prefixes(self) -> bool:
-        """The facade's question: where requests carry a per-version cache key, an update leaves
-        no prefix of older weights reachable, so the facade does not reset the cache after it
-        (which would wait for, or retract, the requests in flight)."""
-        return self._transport.salts
+    def started(self, served: Served) -> None:
+        """Read the served parameters' names and shapes from the checkpoint ``served`` names."""
+        from rlinfer_core.transfer.disk import read_specs
 
-    def _flush_needs_idle(self) -> bool:
-        return self._transport.flush_needs_idle
+        # SGLang casts what it loads to the served dtype. With dtype="auto" (where SGLang may serve
+        # a float32 checkpoint in float16) the checkpoint's own dtypes are what a trainer holds and
+        # what a checkpoint directory contains; with an explicit dtype, that dtype.
+        try:
+            found = read_specs(served.model_dir)
+        except RLInferError as exc:
+            raise BackendLoadError(f"cannot read the parameter names of {self._config.model!r}: {exc}") from exc
+        self.specs = {n: TensorSpec(n, served.served_dtype or s.dtype, s.shape) for n, s in found.items()}
+
+    async def close(self) -> None:
+        """Have the scheduler unmap the arena's buffers; remove the outcome directory."""
+        await self._ipc_arena.close(lambda: self.scheduler_op({"op": "release_mapped"}, flush=False))
+        shutil.rmtree(self._result_dir, ignore_errors=True)
 
     def _cache_stale(self) -> bool:
         """SGLang's cache may hold what older weights computed: a request ran since the last
         flush, or one is running (it keeps adding to the cache after a flush)."""
         return self._flight.cache_dirty or self._flight.active > 0
 
-    async def _scheduler_op(
+    async def scheduler_op(
         self,
         control: dict[str, Any],
         tensors: Sequence[tuple[str, Any]] = (),
@@ -119,7 +139,7 @@ class Weights(BackendBase):
             control, flush = {**control, "rekey": self._update_key}, False
         payloads = await transport.serialize([encode_control({**control, "result": str(result)}), *tensors])
         flush = flush and self._cache_stale()  # else nothing the old weights cached
-        deferred = flush and self._flush_needs_idle()
+        deferred = flush and self._transport.flush_needs_idle
         if deferred:  # flushed after the load, or at the facade's reset
             flush = False
         if transport.begin_end:
@@ -167,18 +187,23 @@ class Weights(BackendBase):
         return data
 
     @contextlib.asynccontextmanager
+    async def _paused_while_running(self, mode: str) -> AsyncIterator[None]:
+        """SGLang paused in ``mode`` for the block where requests run and it is not paused already."""
+        hold = self._flight.active > 0 and not self._pausing.paused
+        if hold:
+            await self._transport.pause(mode)
+        try:
+            yield
+        finally:
+            if hold:
+                await asyncio.shield(self._transport.unpause())
+
+    @contextlib.asynccontextmanager
     async def _quiet_scheduler(self) -> AsyncIterator[None]:
         """Nothing runs in the scheduler for the block: new requests wait at the gate, requests in
         flight are retracted (they keep their tokens) unless SGLang is paused already."""
-        async with self._flight.gate_closed():
-            hold = self._flight.active > 0 and not self._sglang_paused and not self._memory_paused
-            if hold:
-                await self._transport.pause("retract")
-            try:
-                yield
-            finally:
-                if hold:
-                    await asyncio.shield(self._transport.unpause())
+        async with self._flight.gate_closed(), self._paused_while_running("retract"):
+            yield
 
     @contextlib.asynccontextmanager
     async def _idle_scheduler(self) -> AsyncIterator[None]:
@@ -186,7 +211,7 @@ class Weights(BackendBase):
         the requests in flight finished (bounded by ``request_timeout_s``; nothing is loaded when
         they do not finish in time)."""
         async with self._flight.gate_closed():
-            timeout = self.config.request_timeout_s
+            timeout = self._config.request_timeout_s
             try:
                 await self._transport.guard(asyncio.wait_for(self._flight.idle.wait(), timeout=timeout))
             except TimeoutError as exc:
@@ -204,9 +229,9 @@ class Weights(BackendBase):
         for the block; no request in flight has to finish."""
         flight, transport = self._flight, self._transport
         async with flight.gate_closed():
-            await self._drain_scoring()
+            await self._pausing.drain_scoring()
             deadline = time.monotonic() + SEND_WAIT_S
-            paused = self._sglang_paused or self._memory_paused
+            paused = self._pausing.paused
             self._late_requests = False
             while unsent := transport.unsent(flight.all_rids()):
                 if paused:  # they reach the scheduler after the load, with the old key: flushed
@@ -218,30 +243,16 @@ class Weights(BackendBase):
                         "nothing was loaded"
                     )
                 await transport.guard(asyncio.sleep(0.002))
-            hold = flight.active > 0 and not self._sglang_paused and not self._memory_paused
-            if hold:
-                await transport.pause(transport.update_pause)
-            try:
+            async with self._paused_while_running(transport.update_pause):
                 yield
-            finally:
-                if hold:
-                    await asyncio.shield(transport.unpause())
-
-    async def _drain_scoring(self) -> None:
-        """Let the raw-logprob scoring prefills already sent finish (they are short; later ones wait
-        at the gate), so SGLang never aborts, retracts or reloads under one."""
-        while self._flight.scoring:
-            self._transport.alive()
-            await self._transport.guard(asyncio.sleep(0.01))
 
     def _quiet(self) -> contextlib.AbstractAsyncContextManager[None]:
         if self._transport.salts:
             return self._held_scheduler()
-        running = self._flight.active > 0 and not self._sglang_paused and not self._memory_paused
-        return self._idle_scheduler() if running and self._flush_needs_idle() else self._quiet_scheduler()
+        running = self._flight.active > 0 and not self._pausing.paused
+        return self._idle_scheduler() if running and self._transport.flush_needs_idle else self._quiet_scheduler()
 
-    @hookimpl
-    async def rlinfer_update_weights(self, update: WeightUpdate) -> None:
+    async def update(self, update: WeightUpdate) -> None:
         """Hand the (validated) update to the scheduler, which checks all of it, then loads; then
         label the new version while nothing runs."""
         flight = self._flight
@@ -255,7 +266,7 @@ class Weights(BackendBase):
             dispatched.update(self._transport.dispatched(in_flight, flight.received))
 
         salted = self._transport.salts
-        async with self._pause_lock, self._quiet():
+        async with self._pausing.lock, self._quiet():
             salted = salted and not self._late_requests
             self._update_key = bodies.cache_key(version) if salted else None
             try:
@@ -270,7 +281,7 @@ class Weights(BackendBase):
                 logger.warning("the scheduler did not report request lengths; in-flight tokens keep the old version")
                 lengths, dispatched = {}, set(in_flight)
             flight.versions.loaded(version, in_flight, dispatched, lengths)
-            if not salted and flight.cache_dirty and self._flush_needs_idle() and flight.active == 0:
+            if not salted and flight.cache_dirty and self._transport.flush_needs_idle and flight.active == 0:
                 # flushed while new requests still wait at the gate (the facade's reset, after it
                 # opens, could find requests pending, which this SGLang does not flush under)
                 await self._flush(IDLE_FLUSH_WAIT_S)
@@ -283,7 +294,7 @@ class Weights(BackendBase):
         started = time.perf_counter()
         # into the engine's arena: the same buffers every update of one layout, so the scheduler
         # maps nothing new (it keeps what it mapped: scheduler.loader). Reuse is safe because
-        # updates are serialized (the facade's weight lock, _pause_lock) and the loader copies out
+        # updates are serialized (the facade's weight lock, Pausing.lock) and the loader copies out
         # of the buffers and synchronizes before the call returns; a call that does not return
         # makes the arena forget them (sending).
         arena = self._ipc_arena
@@ -305,18 +316,18 @@ class Weights(BackendBase):
                 )
                 return outcome
             case NamedTensors():
-                return await self._scheduler_op(
+                return await self.scheduler_op(
                     {"op": "tensors"}, list(source.tensors), flush=True, before_send=snapshot
                 )
             case Buckets():
                 return await self._send_buckets(source.buckets, snapshot)
             case CheckpointDir():
                 control = {"op": "disk", "path": str(Path(source.path).resolve())}
-                return await self._scheduler_op(control, flush=True, before_send=snapshot)
+                return await self.scheduler_op(control, flush=True, before_send=snapshot)
             case BroadcastSource():
                 specs = [(s.name, s.dtype, list(s.shape)) for s in source.specs]
                 control = {"op": "broadcast", "group_name": self._group_name, "specs": specs}
-                return await self._scheduler_op(control, flush=True, before_send=snapshot)
+                return await self.scheduler_op(control, flush=True, before_send=snapshot)
             case _:
                 assert_never(source)
 
@@ -328,25 +339,23 @@ class Weights(BackendBase):
         manifests = [attrs.asdict(b.manifest) for b in buckets]
         pairs = [(str(i), b.data) for i, b in enumerate(buckets)]
         control = {"op": "buckets", "manifests": manifests, "keep": keep_mapped}
-        return await self._scheduler_op(control, pairs, flush=True, before_send=before_send)
+        return await self.scheduler_op(control, pairs, flush=True, before_send=before_send)
 
-    @hookimpl
-    async def rlinfer_weights_checksum(self) -> Mapping[str, WeightChecksum]:
+    async def checksum(self) -> Mapping[str, WeightChecksum]:
         """Checksums computed in the scheduler over the served parameters, by HF name."""
         from rlinfer_sglang.scheduler.loader import served_checksums
 
-        self._caps.require(Capability.WEIGHTS_CHECKSUM)
-        specs = [[name, list(spec.shape)] for name, spec in self._specs.items()]
-        if "lm_head.weight" not in self._specs and "model.embed_tokens.weight" in self._specs:
-            specs.append(["lm_head.weight", list(self._specs["model.embed_tokens.weight"].shape)])
-        outcome = await self._scheduler_op({"op": "checksum", "specs": specs}, flush=False)
+        self._capabilities().require(Capability.WEIGHTS_CHECKSUM)
+        specs = [[name, list(spec.shape)] for name, spec in self.specs.items()]
+        if "lm_head.weight" not in self.specs and "model.embed_tokens.weight" in self.specs:
+            specs.append(["lm_head.weight", list(self.specs["model.embed_tokens.weight"].shape)])
+        outcome = await self.scheduler_op({"op": "checksum", "specs": specs}, flush=False)
         return served_checksums(outcome)
 
-    @hookimpl
-    async def rlinfer_init_weight_broadcast(self, group: BroadcastGroup) -> None:
+    async def join_broadcast(self, group: BroadcastGroup) -> None:
         """Have every scheduler rank join the trainer's group (blocks until all ranks joined)."""
         tp_size = self._transport.tp_size
-        if self.platform == "cpu" and group.backend != "gloo":
+        if self._platform == "cpu" and group.backend != "gloo":
             raise InvalidRequest("backend", "SGLang on CPU joins gloo groups only")
         if group.rank_offset + tp_size > group.world_size:  # a pool puts several engines in one group
             raise InvalidRequest(
@@ -354,13 +363,12 @@ class Weights(BackendBase):
                 f"must hold rank_offset ({group.rank_offset}) + {tp_size} engine ranks, got {group.world_size}",
             )
         try:
-            await self._scheduler_op({"op": "join", "group": attrs.asdict(group)}, flush=False)
+            await self.scheduler_op({"op": "join", "group": attrs.asdict(group)}, flush=False)
         except WeightUpdateError as exc:
             raise RLInferError(f"the SGLang scheduler could not join the weight group: {exc}") from exc
         self._group_name = group.group_name
 
-    @hookimpl
-    async def rlinfer_reset_prefix_cache(self) -> None:
+    async def reset_prefix_cache(self) -> None:
         """Flush SGLang's cache; running requests are retracted (recomputed) if they hold any."""
         transport = self._transport
         transport.alive()
@@ -368,9 +376,9 @@ class Weights(BackendBase):
             return
         if await self._flush():
             return
-        if self._sglang_paused or self._memory_paused:
+        if self._pausing.paused:
             raise RLInferError("SGLang refused to flush its cache while paused")
-        if self._flush_needs_idle():
+        if self._transport.flush_needs_idle:
             # this SGLang does not flush while a retracted request is pending: new requests wait
             # at the gate and SGLang flushes once the running ones finished (its deferred flush)
             async with self._flight.gate_closed():
@@ -394,15 +402,3 @@ class Weights(BackendBase):
         if flushed:  # else running requests keep adding to the cache
             self._flight.cache_dirty = self._flight.active > 0 and wait_s == 0
         return flushed
-
-    @hookimpl
-    async def rlinfer_bench_raw_weight_update(self, path: str) -> None:
-        """SGLang's own ``update_weights_from_disk``, no rlinfer validation."""
-        self._transport.alive()
-        ok, message = await self._transport.update_from_disk(str(Path(path).resolve()))
-        if not ok:
-            raise WeightUpdateError(f"SGLang update_weights_from_disk failed: {message}")
-        # the scheduler's own flush refuses while a just-finished request is still in its running
-        # batch (a race right after generate): flushed through the same retrying reset
-        self._flight.cache_dirty = True
-        await self.rlinfer_reset_prefix_cache()

@@ -257,7 +257,7 @@ def test_reset_prefix_cache_drops_stale_kv(engine: Engine, models: tuple[Path, P
     backend: Any = _backend(engine)
     prompt = [1, *((37 * j) % 300 + 16 for j in range(300))]
     engine.generate(_greedy(prompt, 6, ignore_eos=True))  # the prompt's KV (first model) is now cached
-    engine._run(backend._scheduler_op({"op": "disk", "path": str(models[1].resolve())}, flush=False))
+    engine._run(backend._weights.scheduler_op({"op": "disk", "path": str(models[1].resolve())}, flush=False))
 
     def gap_to_second_model() -> tuple[list[int], float]:
         (c,) = engine.generate(_greedy(prompt, 6, ignore_eos=True))

@@ -136,7 +136,7 @@ def test_fast_load_plan_on_the_real_module_tree(world: dict[str, Any]) -> None:
     vocabulary is zero-filled. On CPU the engine is not eligible all the same."""
     engine, (a, _) = world["engine"], world["paths"]
     backend = engine.async_engine._backend
-    plan = engine._run(backend._scheduler_op({"op": "fast_plan"}, flush=False))["fast_plan"]
+    plan = engine._run(backend._weights.scheduler_op({"op": "fast_plan"}, flush=False))["fast_plan"]
     names = {name for name, _ in _tensors(a)}
     tied = world["arch"] == "qwen2"
     assert set(plan["mapped"]) == (names - {"lm_head.weight"} if tied else names)

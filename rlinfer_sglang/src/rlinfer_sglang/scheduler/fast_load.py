@@ -213,11 +213,9 @@ class Loader(Protocol):
     @property
     def plan_s(self) -> float:
         """Seconds the last load spent building the plan."""
-        ...
 
     def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> bool:
         """Load ``tensors`` and return True, or write nothing and return False."""
-        ...
 
 
 class SchedulerPath:

@@ -77,116 +77,88 @@ class Transport(Protocol):
 
     async def start(self, capabilities: Capabilities) -> Served:
         """Start (or attach to) the engine and report what it serves."""
-        ...
 
     def alive(self) -> None:
         """Raise EngineDead when the engine is shut down or one of its processes died."""
-        ...
 
     async def guard(self, awaitable: Awaitable[T]) -> T:
         """Await ``awaitable`` unless the engine dies first (then raise EngineDead)."""
-        ...
 
     def translate(self, exc: Exception) -> Exception:
         """``exc`` as EngineDead when the engine died meanwhile, else ``exc``."""
-        ...
 
     async def generate(self, body: Mapping[str, Any]) -> Any:
         """One (possibly batched) generate call: an output dict, or a list for a batch."""
-        ...
 
     def stream(self, body: Mapping[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """SGLang's cumulative outputs of one streamed sample."""
-        ...
 
     async def abort(self, rids: Sequence[str]) -> None:
         """Abort these SGLang rids."""
-        ...
 
     def abort_soon(self, rids: Sequence[str]) -> None:
         """Abort these rids without waiting (from a cancelled call)."""
-        ...
 
     async def pause(self, mode: str) -> None:
         """SGLang's pause_generation (``"abort"`` or ``"retract"``)."""
-        ...
 
     async def unpause(self) -> None:
         """SGLang's continue_generation."""
-        ...
 
     async def flush(self, wait_s: float = 0.0) -> bool:
         """Flush SGLang's cache; ``wait_s`` > 0: as soon as it is idle, within that time."""
-        ...
 
     async def release_memory(self, tags: list[str]) -> None:
         """SGLang's release_memory_occupation of ``tags`` (its memory saver)."""
-        ...
 
     async def resume_memory(self, tags: list[str]) -> None:
         """SGLang's resume_memory_occupation of ``tags``."""
-        ...
 
     async def serialize(self, pairs: list[tuple[str, Any]]) -> list[Any]:
         """``update_weights_from_tensor``'s ``serialized_named_tensors``: a payload per TP rank."""
-        ...
 
     async def begin_update(self) -> tuple[bool, str]:
         """SGLang's begin_weight_update: ``(ok, message)``."""
-        ...
 
     async def update_tensors(
         self, payloads: list[Any], flush: bool, before_send: Callable[[], None] | None
     ) -> tuple[bool, str]:
         """``update_weights_from_tensor`` with rlinfer's loader; ``before_send`` runs right before
         the message leaves (no other task runs in between)."""
-        ...
 
     async def end_update(self) -> tuple[bool, str]:
         """SGLang's end_weight_update: ``(ok, message)`` (runs even when its caller is cancelled)."""
-        ...
 
     async def label(self, version: int) -> tuple[bool, str]:
         """Set SGLang's weight-version label to ``version`` while nothing runs (where the
         transport reads per-token versions from SGLang's spans)."""
-        ...
 
     def dispatched(self, rids: Sequence[str], received: Mapping[str, int]) -> set[str]:
         """Those of ``rids`` that SGLang's scheduler had been sent before now."""
-        ...
 
     def unsent(self, rids: Sequence[str]) -> list[str]:
         """Those of ``rids`` known not to have reached SGLang's scheduler yet (where ``salts``)."""
-        ...
 
     async def update_from_disk(self, path: str) -> tuple[bool, str]:
         """SGLang's own ``update_weights_from_disk`` (the bench baseline), without a flush."""
-        ...
 
     async def raw_generate(self, body: Mapping[str, Any]) -> list[dict[str, Any]]:
         """SGLang's own batched generate (the bench baseline)."""
-        ...
 
     async def load_lora(self, name: str, path: str) -> tuple[bool, str]:
         """Load the PEFT adapter at ``path`` as SGLang adapter ``name``: ``(ok, error)``."""
-        ...
 
     async def unload_lora(self, name: str) -> tuple[bool, str]:
         """Unload SGLang adapter ``name``: ``(ok, error)``."""
-        ...
 
     def lora_names(self) -> set[str]:
         """Names of the adapters SGLang holds."""
-        ...
 
     async def check_health(self) -> None:
         """EngineDead when a process died or the engine does not answer."""
-        ...
 
     async def shutdown(self) -> None:
         """Stop what this engine started (an attached server keeps running)."""
-        ...
 
     def processes(self) -> Mapping[str, int]:
         """``{role: pid}`` of the engine's running processes that this engine manages."""
-        ...
