@@ -65,11 +65,6 @@ def pool_config(
     return structure_attrs(PoolConfig, {**fields, **flags}, f"the command line and {origin}", allowed_keys())
 
 
-def wants_pool(settings: RolloutSettings | None, replicas: int | None) -> bool:
-    """Whether a command should open a pool: ``--replicas`` given, or a ``pool:`` section in the file."""
-    return replicas is not None or (settings is not None and settings.pool is not None)
-
-
 def pool_from_file(path: str | Path, **overrides: Any) -> PoolConfig:
     """PoolConfig from a config file's ``pool:`` section, with ``overrides`` on top."""
     return pool_config(read_config_file(path), overrides)

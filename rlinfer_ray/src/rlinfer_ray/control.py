@@ -1,4 +1,4 @@
-"""The pool's control plane: fan-out, weight updates, broadcast groups, restarts.
+"""The pool's control plane (:class:`ControlPlane`): fan-out, weight updates, broadcasts, pause, restarts.
 
 Weight updates are all-or-nothing from the trainer's view:
 
@@ -7,7 +7,7 @@ Weight updates are all-or-nothing from the trainer's view:
   bucket, ...) fails on no replica at all;
 - it is then sent to every replica at once (named tensors and buckets go into Ray's object
   store once and every replica reads them from there; a checkpoint directory by path; a
-  broadcast reaches every replica's workers in one group, see :meth:`rlinfer_init_weight_broadcast`);
+  broadcast reaches every replica's workers in one group, see :meth:`ControlPlane.init_weight_broadcast`);
 - when every replica rejects it, the error is raised and the pool version stays;
 - when some replicas loaded it and others failed, the failed ones leave routing at once, are
   restarted and re-synced to the new weights before they serve again; the pool's version is the
@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from rlinfer_core.errors import EngineDead, RLInferError, WeightUpdateError
-from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.types import PauseMode
 from rlinfer_core.weights import BroadcastGroup, BroadcastSource, Buckets, CheckpointDir, NamedTensors, WeightUpdate
 from rlinfer_ray.replica import is_replica_death
@@ -35,7 +34,6 @@ from rlinfer_ray.replicas import Replica, State, death_message
 from rlinfer_ray.shipping import ShippedWeights
 
 if TYPE_CHECKING:
-    from rlinfer_core.checksum import WeightChecksum
     from rlinfer_core.types import EngineConfig
     from rlinfer_ray.config import PoolConfig
     from rlinfer_ray.replicas import ReplicaSet
@@ -43,58 +41,64 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+@attrs.define(eq=False)
 class ControlPlane:
-    """Fan-out operations of :class:`~rlinfer_ray.pool.PoolBackend` (a base class of it)."""
+    """What every replica must agree on: the pool's weight version (and how a restarted replica
+    gets it back), the pause in force, the broadcast group; calls fanned out to the replicas, and
+    the restarts of the ones that die."""
 
-    backend_name: str
+    replicas: ReplicaSet
     config: EngineConfig
-    pool_config: PoolConfig
-    _closed: bool
+    pool_config: PoolConfig  #: replaced with the pool's (``PoolBackend.pool_config``)
+    #: the version the serving replicas serve (what a restarted replica is re-synced to)
+    _version: int = attrs.field(default=0, init=False)
+    #: the mode of a pause in force (a restarted replica is paused the same way)
+    _paused: PauseMode | None = attrs.field(default=None, init=False)
+    #: serialises loads, stagings and re-syncs of restarted replicas
+    weight_lock: asyncio.Lock = attrs.field(factory=asyncio.Lock, init=False)
+    _restarts: dict[int, asyncio.Task[None]] = attrs.field(factory=dict, init=False)
+    _closed: bool = attrs.field(default=False, init=False)
+    #: how a restarted replica gets the pool's weights back (None: it cannot; it waits STALE)
+    _replay: Any = attrs.field(default=None, init=False)
+    #: broadcast group members: replica index -> actor generation that joined
+    _group_members: dict[int, int] = attrs.field(factory=dict, init=False)
+    #: the last weight update's fan-out: replica index -> seconds from the fan-out's start until
+    #: that replica answered (loads that overlap end together; serialised ones one after another)
+    last_update_fanout_s: dict[int, float] = attrs.field(factory=dict, init=False)
 
-    def __init__(self) -> None:
-        #: the version the serving replicas serve (what a restarted replica is re-synced to)
-        self._version = 0
-        #: the mode of a pause in force (a restarted replica is paused the same way)
-        self._paused: PauseMode | None = None
-        #: serialises loads and re-syncs of restarted replicas
-        self._weight_lock = asyncio.Lock()
-        self._restarts: dict[int, asyncio.Task[None]] = {}
-        #: how a restarted replica gets the pool's weights back (None: it cannot; it waits STALE)
-        self._replay: Any = None
-        #: broadcast group members: replica index -> actor generation that joined
-        self._group_members: dict[int, int] = {}
-        #: the last weight update's fan-out: replica index -> seconds from the fan-out's start until
-        #: that replica answered (loads that overlap end together; serialised ones one after another)
-        self.last_update_fanout_s: dict[int, float] = {}
-
-    # provided by PoolBackend
-    @property
-    def replicas(self) -> ReplicaSet:  # pragma: no cover - overridden
-        """The replica set."""
-        raise NotImplementedError
-
-    # --- fan-out -------------------------------------------------------------------------------
-
-    async def _control(self, method: str, members: list[Replica], *args: Any, timeout: float | None = None) -> None:
-        """``method`` on every member at once; a member that died is restarted, any other error
-        is raised (the first, by replica index)."""
+    async def call_all(
+        self, hook: str, members: list[Replica], *args: Any, timeout: float | None = None
+    ) -> dict[int, Any]:
+        """``hook`` on every member at once; a member that died is restarted, any other error is
+        raised (the first, by replica index). ``{index: reply, or the death it met}``."""
         bound = timeout if timeout is not None else self.pool_config.control_timeout_s
-        results = await self.replicas.fan_out(members, lambda r: self.replicas.call(r, method, *args, timeout=bound))
-        self._raise_first(results)
+        results = await self.replicas.fan_out(members, lambda r: self.replicas.call(r, hook, *args, timeout=bound))
+        self.raise_first(results)
+        return results
 
-    def _raise_first(self, results: Mapping[int, Any]) -> None:
-        for index in sorted(results):
-            outcome = results[index]
-            if isinstance(outcome, BaseException) and is_replica_death(outcome):
-                self._replica_failed(self.replicas.replicas[index], outcome)
-        for index in sorted(results):
-            outcome = results[index]
-            if isinstance(outcome, BaseException) and not is_replica_death(outcome):
-                raise outcome
+    def raise_first(self, results: Mapping[int, Any]) -> None:
+        """After a fan-out: restart the replicas that died, then raise the first other error."""
+        failures = {i: res for i, res in sorted(results.items()) if isinstance(res, BaseException)}
+        for index, exc in failures.items():
+            if is_replica_death(exc):
+                self.replica_failed(self.replicas.replicas[index], exc)
+        others = [exc for exc in failures.values() if not is_replica_death(exc)]
+        if others:
+            raise others[0]
 
-    # --- restarts ------------------------------------------------------------------------------
+    async def pause(self, mode: PauseMode) -> None:
+        """Pause every serving replica; a replica restarted meanwhile is paused as it re-syncs."""
+        await self.call_all("rlinfer_pause", self.replicas.serving(), mode, timeout=self.config.request_timeout_s)
+        self._paused = mode
 
-    def _replica_failed(self, replica: Replica, exc: BaseException) -> None:
+    async def resume(self) -> None:
+        """Resume every serving replica."""
+        try:
+            await self.call_all("rlinfer_resume", self.replicas.serving())
+        finally:
+            self._paused = None
+
+    def replica_failed(self, replica: Replica, exc: BaseException) -> None:
         """Take ``replica`` out of routing and restart it in the background (once at a time)."""
         if replica.state in (State.FAILED, State.STOPPED) and replica.index in self._restarts:
             return
@@ -106,6 +110,12 @@ class ControlPlane:
         task = self._restarts.get(replica.index)
         if task is None or task.done():
             self._restarts[replica.index] = asyncio.get_running_loop().create_task(self._restart(replica))
+
+    def close(self) -> None:
+        """No restart from now on; the running ones are cancelled."""
+        self._closed = True
+        for task in list(self._restarts.values()):
+            task.cancel()
 
     async def _restart(self, replica: Replica) -> None:
         """Fresh actor and engine in the same bundle, then re-sync to the pool's weights."""
@@ -128,7 +138,7 @@ class ControlPlane:
             self._restarts.pop(replica.index, None)
 
     async def _resync(self, replica: Replica) -> None:
-        async with self._weight_lock:
+        async with self.weight_lock:
             if self._version > 0:
                 if self._replay is None:
                     replica.state = State.STALE  # waits for the next update (broadcast: re-init the group)
@@ -146,7 +156,7 @@ class ControlPlane:
                 )
             replica.state = State.SERVING
 
-    async def wait_ready(self, timeout_s: float = 600.0) -> None:
+    async def wait_ready(self, timeout_s: float) -> None:
         """Return once no restart is running and every replica serves (EngineDead otherwise)."""
         deadline = time.monotonic() + timeout_s
         while self._restarts:
@@ -159,69 +169,61 @@ class ControlPlane:
         if bad:
             raise EngineDead("replicas not serving: " + "; ".join(f"{r.index}: {r.state} ({r.error})" for r in bad))
 
-    # --- weights -------------------------------------------------------------------------------
-
-    @hookimpl
-    async def rlinfer_update_weights(self, update: WeightUpdate) -> None:
-        """Load ``update`` (validated by the facade, its version set) on every replica (see the
-        module docstring)."""
-        async with self._weight_lock:
-            await self._update_locked(update)
-
-    async def _update_locked(self, update: WeightUpdate) -> None:
+    async def update_weights(self, update: WeightUpdate) -> None:
+        """Load ``update`` (validated, its version set) on every replica (see the module docstring)."""
         import ray
 
         assert update.version is not None, "the facade sets the version"
-        target = update.version
-        source = update.source
-        if isinstance(source, BroadcastSource):
-            members = self._broadcast_members()
-            replay: Any = None
-            shipped: Any = source
-        else:
-            members = self.replicas.alive()
-            # one copy in Ray's object store, read by every replica (and kept to re-sync restarts),
-            # as raw bytes: a pickled tensor costs a copy in and one out per reader (shipping.py)
-            shipped = ray.put(ShippedWeights(source)) if isinstance(source, NamedTensors | Buckets) else source
-            replay = shipped if isinstance(source, NamedTensors | Buckets | CheckpointDir) else None
-        if not members:
-            raise EngineDead(
-                f"no replica of the pool can take weights: {[r.state.value for r in self.replicas.replicas]}"
-            )
-        fanned = time.perf_counter()
-        answered: dict[int, float] = {}
+        async with self.weight_lock:
+            target, source = update.version, update.source
+            if isinstance(source, BroadcastSource):
+                members = self._broadcast_members()
+                replay: Any = None
+                shipped: Any = source
+            else:
+                members = self.replicas.alive()
+                # one copy in Ray's object store, read by every replica (and kept to re-sync restarts),
+                # as raw bytes: a pickled tensor costs a copy in and one out per reader (shipping.py)
+                shipped = ray.put(ShippedWeights(source)) if isinstance(source, NamedTensors | Buckets) else source
+                replay = shipped if isinstance(source, NamedTensors | Buckets | CheckpointDir) else None
+            if not members:
+                raise EngineDead(
+                    f"no replica of the pool can take weights: {[r.state.value for r in self.replicas.replicas]}"
+                )
+            fanned = time.perf_counter()
+            answered: dict[int, float] = {}
 
-        async def load(r: Replica) -> Any:
-            try:
-                return await self.replicas.load(r, shipped, target, self.config.request_timeout_s)
-            finally:
-                answered[r.index] = time.perf_counter() - fanned
+            async def load(r: Replica) -> Any:
+                try:
+                    return await self.replicas.load(r, shipped, target, self.config.request_timeout_s)
+                finally:
+                    answered[r.index] = time.perf_counter() - fanned
 
-        results = await self.replicas.fan_out(members, load)
-        self.last_update_fanout_s = answered
-        logger.debug("update to version %d: replicas answered after %s s", target, answered)
-        self._settle(results, target, "no replica loaded the update")
-        self._replay = replay
+            results = await self.replicas.fan_out(members, load)
+            self.last_update_fanout_s = answered
+            logger.debug("update to version %d: replicas answered after %s s", target, answered)
+            self.settle(results, target, "no replica loaded the update", replay)
 
-    def _settle(self, results: Mapping[int, Any], target: int, nobody: str) -> None:
-        """After a load fanned out to replicas (an update or a staged commit): ``target`` is the
-        pool's version when any replica loaded it (the failed ones leave routing and are restarted,
-        re-synced to it); when none did, the first typed error is raised and the version stays."""
+    def settle(self, results: Mapping[int, Any], target: int, nobody: str, replay: Any) -> None:
+        """After a load fanned out under :attr:`weight_lock` (an update or a staged commit): when any
+        replica loaded it, ``target`` is the pool's version and ``replay`` how a restarted replica gets
+        it (the failed ones leave routing and are restarted, re-synced to it); when none did, the first
+        typed error is raised and the version stays."""
         loaded = [self.replicas.replicas[i] for i, res in results.items() if not isinstance(res, BaseException)]
         failed = {i: res for i, res in results.items() if isinstance(res, BaseException)}
         if not loaded:
             for i, exc in failed.items():
                 if is_replica_death(exc):
-                    self._replica_failed(self.replicas.replicas[i], exc)
+                    self.replica_failed(self.replicas.replicas[i], exc)
             raise first_error(failed, nobody)
-        self._version = target
+        self._version, self._replay = target, replay
         for r in loaded:
             r.version = target
             if r.state is State.STALE:
                 r.state = State.SERVING
         for i, exc in failed.items():
             # out of routing now; the restart re-syncs it to `target` once the weight lock is released
-            self._replica_failed(self.replicas.replicas[i], exc)
+            self.replica_failed(self.replicas.replicas[i], exc)
 
     def _broadcast_members(self) -> list[Replica]:
         members = [r for r in self.replicas.alive() if self._group_members.get(r.index) == r.generation]
@@ -237,15 +239,8 @@ class ControlPlane:
             )
         return members
 
-    @property
-    def broadcast_ranks(self) -> int:
-        """Ranks the pool takes in a broadcast group: one per engine rank (EngineConfig.world_size)
-        per replica (the facade's ``broadcast_ranks``)."""
-        return self.config.world_size * len(self.replicas.alive())
-
-    @hookimpl
-    async def rlinfer_init_weight_broadcast(self, group: BroadcastGroup) -> None:
-        """Have every replica's workers join ONE group with the trainer (rank 0): replica k takes
+    async def init_weight_broadcast(self, group: BroadcastGroup) -> None:
+        """Have every live replica's workers join ONE group with the trainer (rank 0): replica k takes
         ranks ``group.rank_offset + k * world_size`` onwards, so one broadcast reaches every replica."""
         members = self.replicas.alive()
         self._group_members = {}
@@ -259,45 +254,8 @@ class ControlPlane:
                 timeout=group.timeout_s + 60.0,
             ),
         )
-        self._raise_first(results)
+        self.raise_first(results)
         self._group_members = {r.index: r.generation for r in members}
-
-    @hookimpl
-    async def rlinfer_weights_checksum(self) -> Mapping[str, WeightChecksum]:
-        """Checksums of the served weights; every serving replica must report the same ones."""
-        members = self.replicas.serving()
-        timeout = self.config.request_timeout_s
-        results = await self.replicas.fan_out(
-            members, lambda r: self.replicas.call(r, "rlinfer_weights_checksum", timeout=timeout)
-        )
-        self._raise_first(results)
-        per = {i: res for i, res in results.items() if not isinstance(res, BaseException)}
-        if not per:
-            raise EngineDead("no replica of the pool is serving")
-        first: Mapping[str, WeightChecksum] = per[min(per)]
-        differ = [i for i, sums in per.items() if sums != first]
-        if differ:
-            raise WeightUpdateError(f"replicas {differ} serve other weights than replica {min(per)}")
-        return first
-
-    @hookimpl
-    def rlinfer_engine_processes(self) -> Mapping[str, int]:
-        """``{"replica<i>.<role>": pid}`` over every live replica, with each actor as ``.actor``.
-
-        Blocking (as AsyncEngine's): call it outside the pool's event loop.
-        """
-        import ray
-
-        out: dict[str, int] = {}
-        for r in self.replicas.alive():
-            status, value = ray.get(
-                r.actor.call.remote("rlinfer_engine_processes"), timeout=self.pool_config.control_timeout_s
-            )
-            if status == "ok":
-                out.update({f"replica{r.index}.{role}": pid for role, pid in value.items()})
-            if r.pid is not None:
-                out[f"replica{r.index}.actor"] = r.pid
-        return out
 
 
 def first_error(failed: Mapping[int, BaseException], message: str) -> BaseException:

@@ -1,4 +1,4 @@
-"""The pool's data plane: routing, per-replica batches, retries on replica death, streams, aborts.
+"""The pool's data plane (:class:`DataPlane`): routing, per-replica batches, retries, streams, aborts.
 
 Each request (or each sample of an unseeded ``n>1`` request, when spread) goes to the replica
 the :class:`~rlinfer_ray.router.Router` picks; a batch is split once per replica (one actor call
@@ -18,13 +18,15 @@ from typing import TYPE_CHECKING
 import attrs
 
 from rlinfer_core.errors import EngineDead, EngineTimeout
-from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.types import Completion, CompletionDelta, GenerateRequest
-from rlinfer_ray.control import ControlPlane
 from rlinfer_ray.replica import is_replica_death
 from rlinfer_ray.replicas import Replica, death_message, raise_dead
 
 if TYPE_CHECKING:
+    from rlinfer_core.types import EngineConfig
+    from rlinfer_ray.config import PoolConfig
+    from rlinfer_ray.control import ControlPlane
+    from rlinfer_ray.replicas import ReplicaSet
     from rlinfer_ray.router import Router
 
 #: slack over request_timeout_s for a replica's reply (the facade times out first and aborts)
@@ -41,21 +43,26 @@ class _Piece:
     sub: GenerateRequest  #: what the replica gets
 
 
-class DataPlane(ControlPlane):
-    """Generation, streaming and aborts of :class:`~rlinfer_ray.pool.PoolBackend` (a base class of it)."""
+@attrs.define(eq=False)
+class DataPlane:
+    """Generation, streaming and aborts over the replicas: where each request runs and what is in
+    flight where. A replica that dies under a request goes to ``control`` to be restarted."""
 
-    router: Router
+    replicas: ReplicaSet
+    control: ControlPlane
+    router: Router  #: replaced with the pool's (``PoolBackend.router``)
+    config: EngineConfig
+    pool_config: PoolConfig  #: replaced with the pool's (``PoolBackend.pool_config``)
     #: caller request id -> (replica, the id that replica knows it by) while in flight
-    _routes: dict[str, set[tuple[int, str]]]
+    _routes: dict[str, set[tuple[int, str]]] = attrs.field(factory=dict, init=False)
     #: the session key requests are routed by now (see :meth:`session`)
-    _session: str | None = None
+    _session: str | None = attrs.field(default=None, init=False)
     #: the replicas requests are routed to now (see :meth:`routed_to`; None: every serving one)
-    _only: list[int] | None = None
+    _only: list[int] | None = attrs.field(default=None, init=False)
 
     @contextlib.contextmanager
     def session(self, key: str) -> Iterator[None]:
-        """Route the requests generated meanwhile by session ``key`` (the affinity of
-        ``RouterPolicy.SESSION``): ``with pool_backend(engine).session("user-1"): engine.generate(...)``."""
+        """Route the requests generated meanwhile by session ``key`` (``RouterPolicy.SESSION``)."""
         saved, self._session = self._session, key
         try:
             yield
@@ -64,16 +71,14 @@ class DataPlane(ControlPlane):
 
     @contextlib.contextmanager
     def routed_to(self, replicas: Sequence[int]) -> Iterator[None]:
-        """Route the requests generated meanwhile over ``replicas`` only (a bench measuring k
-        replicas against all of them on the same pool); the pool's state is not changed."""
+        """Route the requests generated meanwhile over ``replicas`` only."""
         saved, self._only = self._only, list(replicas)
         try:
             yield
         finally:
             self._only = saved
 
-    @hookimpl
-    async def rlinfer_generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:
+    async def generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:
         """Generate on the replicas: ``n`` completions per request, in request order, then index."""
         batch = list(requests)
         plan = self._plan(batch, self._session, self._only)
@@ -135,7 +140,7 @@ class DataPlane(ControlPlane):
         except Exception as exc:
             if not is_replica_death(exc):
                 raise
-            self._replica_failed(replica, exc)
+            self.control.replica_failed(replica, exc)
             if not self.pool_config.retry or attempt >= self.pool_config.max_retries:
                 raise_dead(replica, exc)
             others = [r.index for r in self.replicas.serving(exclude=index)]
@@ -162,10 +167,8 @@ class DataPlane(ControlPlane):
             if not left:
                 del self._routes[request_id]
 
-    @hookimpl
-    async def rlinfer_generate_stream(self, request: GenerateRequest) -> AsyncIterator[CompletionDelta]:
-        """Stream one request from one replica. A replica that dies before its first delta is
-        replaced (when retry is on); after that the stream ends with EngineDead."""
+    async def generate_stream(self, request: GenerateRequest) -> AsyncIterator[CompletionDelta]:
+        """Stream one request from one replica; another replaces it if it dies before its first delta."""
         attempt = 0
         while True:
             candidates = self._candidates(self._only)
@@ -180,7 +183,7 @@ class DataPlane(ControlPlane):
             except Exception as exc:
                 if not is_replica_death(exc):
                     raise
-                self._replica_failed(replica, exc)
+                self.control.replica_failed(replica, exc)
                 attempt += 1
                 if yielded or not self.pool_config.retry or attempt > self.pool_config.max_retries:
                     raise_dead(replica, exc)
@@ -216,34 +219,23 @@ class DataPlane(ControlPlane):
             with contextlib.suppress(Exception):
                 ray.cancel(refs)
 
-    @hookimpl
-    async def rlinfer_abort(self, request_ids: Sequence[str] | None) -> None:
+    async def abort(self, request_ids: Sequence[str] | None) -> None:
         """Abort requests (``None``: all in flight on every replica) where they were routed."""
         timeout = self.pool_config.control_timeout_s
-        if request_ids is None:
-            results = await self.replicas.fan_out(
-                self.replicas.serving(),
-                lambda r: self.replicas.call_raw(r, r.actor.call.remote("rlinfer_abort", None), timeout, "abort"),
-            )
-            self._raise_first(results)
-            return
         per_replica: dict[int, list[str]] = {}
-        for rid in request_ids:
+        for rid in request_ids or ():
             for index, sub in self._routes.get(rid, ()):
                 per_replica.setdefault(index, []).append(sub)
-        members = [r for r in self.replicas.serving() if r.index in per_replica]
+        members = [r for r in self.replicas.serving() if request_ids is None or r.index in per_replica]
         results = await self.replicas.fan_out(
-            members,
+            members,  # each aborts its share, or (request_ids None) all it has in flight
             lambda r: self.replicas.call_raw(
-                r, r.actor.call.remote("rlinfer_abort", per_replica[r.index]), timeout, "abort"
+                r, r.actor.call.remote("rlinfer_abort", per_replica.get(r.index)), timeout, "abort"
             ),
         )
-        self._raise_first(results)
+        self.control.raise_first(results)
 
-    # --- benchmarking --------------------------------------------------------------------------
-
-    @hookimpl
-    async def rlinfer_bench_raw_generate(self, requests: Sequence[GenerateRequest]) -> int:
+    async def bench_raw_generate(self, requests: Sequence[GenerateRequest]) -> int:
         """The engine's native generate on the least loaded replica (no rlinfer conversion)."""
         candidates = self._candidates(self._only)
         index = self.router.pick(candidates, {r.index: r.load for r in self.replicas.replicas})

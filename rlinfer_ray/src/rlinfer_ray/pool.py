@@ -6,37 +6,40 @@ checks capabilities, stamps versions, owns stagings and the pause gate once per 
 one engine; the backend routes each call to its replicas. The pool's own controls (router,
 replica states, restarts) are on the backend: :func:`pool_backend`.
 
-This module holds the lifecycle and the fan-out hooks (pause, memory, cache, LoRA, tool calls).
-The data plane (routing, retries, streams, aborts) is :mod:`rlinfer_ray.dataplane`; weight
-updates, broadcast groups and restarts (all-or-nothing from the trainer's view) are
-:mod:`rlinfer_ray.control`; staged updates :mod:`rlinfer_ray.staging`.
+:class:`PoolBackend` holds the lifecycle and the hooks that only fan out (memory, cache, LoRA,
+checksums, tool calls); the others go to components over its replica set, each owning its state:
+:class:`~rlinfer_ray.control.ControlPlane` (version, pause, weight updates, broadcasts, restarts),
+:class:`~rlinfer_ray.dataplane.DataPlane` (routing, streams, aborts), :class:`~rlinfer_ray.staging.PoolStaging`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import attrs
 
-from rlinfer_core.errors import EngineDead, InvalidRequest
+from rlinfer_core.errors import EngineDead, InvalidRequest, WeightUpdateError
 from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.types import Capabilities, Capability, EngineConfig, MemoryTag, PauseMode
 from rlinfer_ray.config import PoolConfig
+from rlinfer_ray.control import ControlPlane
 from rlinfer_ray.dataplane import DataPlane
+from rlinfer_ray.replicas import ReplicaSet, State
 from rlinfer_ray.router import Router
 from rlinfer_ray.staging import PoolStaging
 
 if TYPE_CHECKING:
+    from rlinfer_core.checksum import WeightChecksum
     from rlinfer_core.discovery import BackendInfo
     from rlinfer_core.engine import AsyncEngine, Engine
     from rlinfer_core.lora import LoraAdapter
     from rlinfer_core.model_info import ModelInfo
     from rlinfer_core.tools import ToolCalls, ToolSpec
-    from rlinfer_core.weights import TensorSpec
-    from rlinfer_ray.replicas import ReplicaSet
+    from rlinfer_core.types import Completion, CompletionDelta, GenerateRequest
+    from rlinfer_core.weights import BroadcastGroup, TensorSpec, WeightUpdate
 
 #: what the pool does not pass on to its replicas, with the reason
 POOL_UNSUPPORTED: Mapping[Capability, str] = {
@@ -59,21 +62,20 @@ def pool_capabilities(replica: Capabilities) -> Capabilities:
     return attrs.evolve(replica, supported=replica.supported - set(POOL_UNSUPPORTED), notes={**replica.notes, **noted})
 
 
-class PoolBackend(PoolStaging, DataPlane):
+class PoolBackend:
     """Replicas of one engine, each in a Ray actor, as one backend (the operation hooks of
     :mod:`rlinfer_core.hookspecs`). Open it with :func:`open_async_pool`; reach it from the
     engine with :func:`pool_backend` for its router, replica states and restarts."""
 
     def __init__(self, info: BackendInfo, config: EngineConfig, pool: PoolConfig) -> None:
-        super().__init__()
         self.backend_name = info.name
         self.config = config
-        self.pool_config = pool
-        #: the data plane's policy; may be replaced (e.g. ``Router(RouterPolicy.SESSION)``)
-        self.router = Router(pool.policy, pool.session_load_factor)
-        self._routes: dict[str, set[tuple[int, str]]] = {}
-        self._closed = False
-        self._set: ReplicaSet | None = None
+        #: the replica set (states, loads, versions)
+        self.replicas = ReplicaSet(info.name, config, pool.replicas)
+        self._control = ControlPlane(self.replicas, config, pool)
+        router = Router(pool.policy, pool.session_load_factor)
+        self._data = DataPlane(self.replicas, self._control, router, config, pool)
+        self._staging = PoolStaging(self.replicas, self._control, config)
         self._loop: asyncio.AbstractEventLoop | None = None
         # before the replicas answer: what the backend claims on this machine (checked by open())
         self._capabilities = pool_capabilities(info.describe())
@@ -89,22 +91,20 @@ class PoolBackend(PoolStaging, DataPlane):
     async def rlinfer_start(self, config: EngineConfig) -> None:
         """Reserve a placement group (Ray joined or started locally) and start every replica."""
         from rlinfer_ray import cluster
-        from rlinfer_ray.replicas import ReplicaSet, State
 
         self._loop = asyncio.get_running_loop()
         pool = self.pool_config
         cluster.ensure_ray(pool, pool.replicas * pool.cpus_per_replica)
         shape = cluster.bundle(pool, config)
-        group = await cluster.reserve(pool, shape, config.startup_timeout_s)
-        self._set = ReplicaSet(self.backend_name, config, pool.replicas, group, shape)
+        self.replicas.place(await cluster.reserve(pool, shape, config.startup_timeout_s), shape)
         try:
-            for r in self._set.replicas:
-                self._set.spawn(r)
-            infos = await asyncio.gather(*(self._set.start(r) for r in self._set.replicas))
+            for r in self.replicas.replicas:
+                self.replicas.spawn(r)
+            infos = await asyncio.gather(*(self.replicas.start(r) for r in self.replicas.replicas))
         except BaseException:
-            await self._stop_all()
+            await self.rlinfer_shutdown()
             raise
-        for r in self._set.replicas:
+        for r in self.replicas.replicas:
             r.state = State.SERVING
         self._capabilities = pool_capabilities(infos[0]["capabilities"])
         self._model_info = infos[0]["model_info"]
@@ -131,81 +131,184 @@ class PoolBackend(PoolStaging, DataPlane):
     @hookimpl
     async def rlinfer_shutdown(self) -> None:
         """Stop every replica and give the placement group back."""
-        self._closed = True
-        await self._stop_all()
-
-    async def _stop_all(self) -> None:
         from rlinfer_ray import cluster
-        from rlinfer_ray.replicas import State
 
-        for task in list(self._restarts.values()):
-            task.cancel()
-        if self._set is None:
+        self._control.close()
+        if self.replicas.group is None:
             return
-        await asyncio.gather(*(self._set.stop(r, State.STOPPED) for r in self._set.replicas))
+        await asyncio.gather(*(self.replicas.stop(r, State.STOPPED) for r in self.replicas.replicas))
         with contextlib.suppress(Exception):
-            cluster.release(self._set.group)
+            cluster.release(self.replicas.group)
 
     @hookimpl
     async def rlinfer_check_health(self) -> None:
         """Check every serving replica; dead ones are restarted. EngineDead when none can serve."""
-        await self._control("rlinfer_check_health", self.replicas.serving())
+        await self._control.call_all("rlinfer_check_health", self.replicas.serving())
         if not self.replicas.serving():
             raise EngineDead(f"no replica of the pool is serving: {self.replica_states()}")
 
+    @hookimpl
+    def rlinfer_engine_processes(self) -> Mapping[str, int]:
+        """``{"replica<i>.<role>": pid}`` over every live replica, with each actor as ``.actor``.
+        Blocking (as AsyncEngine's): call it outside the pool's event loop."""
+        import ray
+
+        out: dict[str, int] = {}
+        for r in self.replicas.alive():
+            status, value = ray.get(
+                r.actor.call.remote("rlinfer_engine_processes"), timeout=self.pool_config.control_timeout_s
+            )
+            if status == "ok":
+                out.update({f"replica{r.index}.{role}": pid for role, pid in value.items()})
+            if r.pid is not None:
+                out[f"replica{r.index}.actor"] = r.pid
+        return out
+
+    # --- the pool's own controls ---------------------------------------------------------------
+
     @property
-    def replicas(self) -> ReplicaSet:
-        """The replica set (states, loads, versions)."""
-        if self._set is None:
-            raise EngineDead("the pool has not started")
-        return self._set
+    def pool_config(self) -> PoolConfig:
+        """The pool's settings; one set here governs the running pool (e.g. ``retry`` off)."""
+        return self._control.pool_config
+
+    @pool_config.setter
+    def pool_config(self, pool: PoolConfig) -> None:
+        self._control.pool_config = self._data.pool_config = pool
+
+    @property
+    def router(self) -> Router:
+        """The data plane's policy; may be replaced (e.g. ``Router(RouterPolicy.SESSION)``)."""
+        return self._data.router
+
+    @router.setter
+    def router(self, router: Router) -> None:
+        self._data.router = router
+
+    @property
+    def last_update_fanout_s(self) -> dict[int, float]:
+        """The last weight update's fan-out: replica index -> seconds until it answered."""
+        return self._control.last_update_fanout_s
+
+    @property
+    def broadcast_ranks(self) -> int:
+        """Ranks the pool takes in a broadcast group: one per engine rank of each live replica."""
+        return self.config.world_size * len(self.replicas.alive())
 
     def replica_states(self) -> list[str]:
         """State of each replica, by index."""
         return [r.state.value for r in self.replicas.replicas]
+
+    async def wait_ready(self, timeout_s: float = 600.0) -> None:
+        """Return once no restart is running and every replica serves (EngineDead otherwise)."""
+        await self._control.wait_ready(timeout_s)
 
     def wait_ready_blocking(self, timeout_s: float = 600.0) -> None:
         """:meth:`wait_ready` from a thread other than the pool's loop (e.g. beside an ``Engine``)."""
         assert self._loop is not None, "the pool has not started"
         asyncio.run_coroutine_threadsafe(self.wait_ready(timeout_s), self._loop).result()
 
-    # --- fan-out hooks -------------------------------------------------------------------------
+    def session(self, key: str) -> contextlib.AbstractContextManager[None]:
+        """Route the requests generated meanwhile by session ``key`` (the affinity of
+        ``RouterPolicy.SESSION``): ``with pool_backend(engine).session("user-1"): engine.generate(...)``."""
+        return self._data.session(key)
+
+    def routed_to(self, replicas: Sequence[int]) -> contextlib.AbstractContextManager[None]:
+        """Route the requests generated meanwhile over ``replicas`` only (a bench measuring k
+        replicas against all of them on the same pool); the pool's state is not changed."""
+        return self._data.routed_to(replicas)
+
+    @hookimpl
+    async def rlinfer_generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:
+        """Generate on the replicas: ``n`` completions per request, in request order, then index."""
+        return await self._data.generate(requests)
+
+    @hookimpl
+    def rlinfer_generate_stream(self, request: GenerateRequest) -> AsyncIterator[CompletionDelta]:
+        """Stream one request from one replica (:meth:`DataPlane.generate_stream`)."""
+        return self._data.generate_stream(request)
+
+    @hookimpl
+    async def rlinfer_abort(self, request_ids: Sequence[str] | None) -> None:
+        """Abort requests (``None``: all in flight on every replica) where they were routed."""
+        await self._data.abort(request_ids)
+
+    @hookimpl
+    async def rlinfer_bench_raw_generate(self, requests: Sequence[GenerateRequest]) -> int:
+        """The engine's native generate on the least loaded replica (no rlinfer conversion)."""
+        return await self._data.bench_raw_generate(requests)
+
+    @hookimpl
+    async def rlinfer_update_weights(self, update: WeightUpdate) -> None:
+        """Load ``update`` on every replica, all or nothing from the trainer's view (:mod:`rlinfer_ray.control`)."""
+        await self._control.update_weights(update)
+
+    @hookimpl
+    async def rlinfer_init_weight_broadcast(self, group: BroadcastGroup) -> None:
+        """Every replica's workers join ONE group with the trainer (:meth:`ControlPlane.init_weight_broadcast`)."""
+        await self._control.init_weight_broadcast(group)
 
     @hookimpl
     async def rlinfer_pause(self, mode: PauseMode) -> None:
         """Pause every serving replica (a replica restarted meanwhile is paused as it re-syncs)."""
-        await self._control("rlinfer_pause", self.replicas.serving(), mode, timeout=self.config.request_timeout_s)
-        self._paused = mode
+        await self._control.pause(mode)
 
     @hookimpl
     async def rlinfer_resume(self) -> None:
         """Resume every serving replica."""
-        try:
-            await self._control("rlinfer_resume", self.replicas.serving())
-        finally:
-            self._paused = None
+        await self._control.resume()
+
+    @hookimpl
+    async def rlinfer_stage_weights(self, staging_id: str, update: WeightUpdate) -> None:
+        """Stage one part on every replica; on any failure the staging is cancelled on all of them."""
+        await self._staging.stage(staging_id, update)
+
+    @hookimpl
+    async def rlinfer_commit_staged_weights(self, staging_id: str, version: int) -> None:
+        """Load the staged weights on every replica that staged them, as an update is loaded."""
+        await self._staging.commit(staging_id, version)
+
+    @hookimpl
+    async def rlinfer_cancel_staged_weights(self, staging_id: str) -> None:
+        """Every replica drops what it staged."""
+        await self._staging.cancel(staging_id)
+
+    # --- fan-out hooks -------------------------------------------------------------------------
+
+    @hookimpl
+    async def rlinfer_weights_checksum(self) -> Mapping[str, WeightChecksum]:
+        """Checksums of the served weights; every serving replica must report the same ones."""
+        timeout = self.config.request_timeout_s
+        results = await self._control.call_all("rlinfer_weights_checksum", self.replicas.serving(), timeout=timeout)
+        per = {i: res for i, res in results.items() if not isinstance(res, BaseException)}
+        if not per:
+            raise EngineDead("no replica of the pool is serving")
+        first: Mapping[str, WeightChecksum] = per[min(per)]
+        differ = [i for i, sums in per.items() if sums != first]
+        if differ:
+            raise WeightUpdateError(f"replicas {differ} serve other weights than replica {min(per)}")
+        return first
 
     @hookimpl
     async def rlinfer_release_memory(self, tags: frozenset[MemoryTag], discard_weights: bool = False) -> None:
         """Release ``tags`` on every replica (``discard_weights`` never comes: :data:`POOL_UNSUPPORTED`)."""
         if discard_weights:
             raise InvalidRequest("discard_weights", POOL_UNSUPPORTED[Capability.MEMORY_DISCARD_WEIGHTS])
-        await self._control("rlinfer_release_memory", self.replicas.serving(), tags, timeout=300.0)
+        await self._control.call_all("rlinfer_release_memory", self.replicas.serving(), tags, timeout=300.0)
 
     @hookimpl
     async def rlinfer_resume_memory(self, tags: frozenset[MemoryTag]) -> None:
         """Resume ``tags`` on every replica."""
-        await self._control("rlinfer_resume_memory", self.replicas.serving(), tags, timeout=300.0)
+        await self._control.call_all("rlinfer_resume_memory", self.replicas.serving(), tags, timeout=300.0)
 
     @hookimpl
     async def rlinfer_reset_prefix_cache(self) -> None:
         """Drop cached prefixes on every replica."""
-        await self._control("rlinfer_reset_prefix_cache", self.replicas.serving())
+        await self._control.call_all("rlinfer_reset_prefix_cache", self.replicas.serving())
 
     @hookimpl
     async def rlinfer_bench_raw_weight_update(self, path: str) -> None:
         """Every replica's own reload from a safetensors directory (unversioned bench baseline)."""
-        await self._control(
+        await self._control.call_all(
             "rlinfer_bench_raw_weight_update", self.replicas.serving(), path, timeout=self.config.request_timeout_s
         )
 
@@ -219,11 +322,8 @@ class PoolBackend(PoolStaging, DataPlane):
         return cast("ToolCalls", reply)
 
     async def _fan_lora(self, method: str, *args: Any) -> Any:
-        members = self.replicas.serving()
-        results = await self.replicas.fan_out(
-            members, lambda r: self.replicas.call(r, method, *args, timeout=self.config.request_timeout_s)
-        )
-        self._raise_first(results)
+        timeout = self.config.request_timeout_s
+        results = await self._control.call_all(method, self.replicas.serving(), *args, timeout=timeout)
         return results[min(results)] if results else None
 
     @hookimpl
@@ -269,9 +369,8 @@ async def open_async_pool(
         config = attrs.evolve(config, **config_fields)
     info = get_backend(backend)
     extra = plugin_objects() if load_entry_point_plugins else []
-    return await AsyncEngine._open_backend(
-        info, PoolBackend(info, config, pool or PoolConfig()), config, plugins, extra
-    )
+    backend_object = PoolBackend(info, config, pool or PoolConfig())
+    return await AsyncEngine._open_backend(info, backend_object, config, plugins, extra)
 
 
 def open_pool(
@@ -280,10 +379,7 @@ def open_pool(
     """Start a pool (see :func:`open_async_pool`) behind a blocking :class:`Engine` on its own loop thread."""
     from rlinfer_core.engine import Engine
 
-    return Engine._open_on_loop(
-        lambda: open_async_pool(backend, config, pool=pool, **kwargs),
-        "rlinfer-pool-loop",
-    )
+    return Engine._open_on_loop(lambda: open_async_pool(backend, config, pool=pool, **kwargs), "rlinfer-pool-loop")
 
 
 def pool_backend(engine: AsyncEngine | Engine) -> PoolBackend:

@@ -170,15 +170,6 @@ class ReplicaActor:
         except Exception as exc:
             yield ("err", pack_error(await self._typed(exc)))
 
-    async def shutdown(self) -> None:
-        """Stop the backend's engine (the pool bounds it, then kills the actor)."""
-        if self.backend is not None:
-            await self.backend.rlinfer_shutdown()
-
-    def pid(self) -> int:
-        """The actor's process id."""
-        return os.getpid()
-
     # --- helpers -------------------------------------------------------------------------------
 
     def _engine(self) -> Any:

@@ -59,12 +59,17 @@ class Replica:
 class ReplicaSet:
     """Creates, calls and restarts the replica actors of one pool."""
 
-    def __init__(self, backend: str, config: EngineConfig, count: int, group: Any, shape: dict[str, float]) -> None:
+    def __init__(self, backend: str, config: EngineConfig, count: int) -> None:
         self.backend = backend
         self.config = config
-        self.group = group
-        self.shape = shape
+        #: the placement group, and the shape of each replica's bundle in it (:meth:`place`)
+        self.group: Any = None
+        self.shape: dict[str, float] = {}
         self.replicas = [Replica(i) for i in range(count)]
+
+    def place(self, group: Any, shape: dict[str, float]) -> None:
+        """Run the replicas in ``group``, one bundle of ``shape`` each (before the first :meth:`spawn`)."""
+        self.group, self.shape = group, shape
 
     def spawn(self, replica: Replica) -> None:
         """A new actor for ``replica`` in its placement bundle (the engine is not started yet)."""

@@ -1,6 +1,6 @@
-"""Staged weight updates over the pool (capability ``weights.staged``): the backend's stage,
-commit and cancel hooks. The handle, its validation (names staged twice, the bound
-``EngineConfig.max_staged_weight_bytes``) and the version are the facade's
+"""Staged weight updates over the pool (capability ``weights.staged``): :class:`PoolStaging`, for
+the backend's stage, commit and cancel hooks. The handle, its validation (names staged twice, the
+bound ``EngineConfig.max_staged_weight_bytes``) and the version are the facade's
 (:mod:`rlinfer_core.engine_staging`, :mod:`rlinfer_core.staging`); here: stage on every
 replica, commit on all or none.
 
@@ -21,17 +21,20 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from rlinfer_core.errors import EngineDead
-from rlinfer_core.hookspecs import hookimpl
 from rlinfer_core.weights import Buckets, NamedTensors, WeightUpdate
-from rlinfer_ray.control import ControlPlane, first_error
+from rlinfer_ray.control import first_error
 from rlinfer_ray.replica import is_replica_death
 from rlinfer_ray.replicas import Replica, ReplicaSet
 from rlinfer_ray.shipping import ShippedWeights
+
+if TYPE_CHECKING:
+    from rlinfer_core.types import EngineConfig
+    from rlinfer_ray.control import ControlPlane
 
 
 @attrs.frozen
@@ -56,26 +59,26 @@ class StagedParts:
             raise
 
 
-class PoolStaging(ControlPlane):
-    """The staging hooks of :class:`~rlinfer_ray.pool.PoolBackend` (a base class of it)."""
+@attrs.define(eq=False)
+class PoolStaging:
+    """The pool's open staging: its id, the replicas that staged it and its parts; loads, and the
+    restarts of replicas that fail them, go through ``control`` (under its weight lock)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        #: the open staging's id (the facade's), its members (replica index -> actor generation
-        #: that staged) and its parts as shipped
-        self._staging_id: str | None = None
-        self._staging_members: dict[int, int] = {}
-        self._staged_parts: list[Any] = []
+    replicas: ReplicaSet
+    control: ControlPlane
+    config: EngineConfig
+    #: the open staging's id (the facade's), its members (replica index -> actor generation
+    #: that staged) and its parts as shipped
+    _staging_id: str | None = attrs.field(default=None, init=False)
+    _staging_members: dict[int, int] = attrs.field(factory=dict, init=False)
+    _staged_parts: list[Any] = attrs.field(factory=list, init=False)
 
-    @hookimpl
-    async def rlinfer_stage_weights(self, staging_id: str, update: WeightUpdate) -> None:
-        """Stage one part (validated by the facade) on every replica; on any failure the staging
-        is cancelled on all of them."""
+    async def stage(self, staging_id: str, update: WeightUpdate) -> None:
+        """Stage one part on every replica that staged the earlier ones; any failure cancels the staging."""
         import ray
 
-        async with self._weight_lock:
-            first = staging_id != self._staging_id
-            if first:
+        async with self.control.weight_lock:
+            if staging_id != self._staging_id:  # its first part
                 members = self.replicas.alive()
                 if not members:
                     states = [r.state.value for r in self.replicas.replicas]
@@ -98,14 +101,13 @@ class PoolStaging(ControlPlane):
                 await self._drop(staging_id)
                 for i, exc in failed.items():
                     if is_replica_death(exc):
-                        self._replica_failed(self.replicas.replicas[i], exc)
+                        self.control.replica_failed(self.replicas.replicas[i], exc)
                 raise first_error(failed, "no replica of the pool could stage the update")
             self._staged_parts.append(shipped)
 
-    @hookimpl
-    async def rlinfer_commit_staged_weights(self, staging_id: str, version: int) -> None:
+    async def commit(self, staging_id: str, version: int) -> None:
         """Load the staged weights on every replica that staged them, as an update is loaded."""
-        async with self._weight_lock:
+        async with self.control.weight_lock:
             if staging_id != self._staging_id:
                 raise EngineDead(f"staging {staging_id} is not open on the pool's replicas")
             members = self._members()
@@ -117,21 +119,20 @@ class PoolStaging(ControlPlane):
                 ),
             )
             parts = tuple(self._staged_parts)
+            replay = parts[0] if len(parts) == 1 else StagedParts(parts)
             try:
-                self._settle(results, version, "no replica committed the staged update")
+                self.control.settle(results, version, "no replica committed the staged update", replay)
             except BaseException:
                 await self._drop(staging_id)
                 raise
             self._staging_id, self._staged_parts = None, []
-            self._replay = parts[0] if len(parts) == 1 else StagedParts(parts)
             for r in [r for r in self.replicas.alive() if r.index not in results]:
                 # restarted while the staging was open: it holds none of it
-                self._replica_failed(r, EngineDead(f"replica {r.index} was restarted while weights were staged"))
+                self.control.replica_failed(r, EngineDead(f"replica {r.index} was restarted while weights were staged"))
 
-    @hookimpl
-    async def rlinfer_cancel_staged_weights(self, staging_id: str) -> None:
+    async def cancel(self, staging_id: str) -> None:
         """Every replica drops what it staged."""
-        async with self._weight_lock:
+        async with self.control.weight_lock:
             await self._drop(staging_id)
 
     def _members(self) -> list[Replica]:
@@ -151,6 +152,3 @@ class PoolStaging(ControlPlane):
                 r, r.actor.staging.remote("cancel", staging_id), 60.0, "cancel_staged_weights"
             ),
         )
-
-
-__all__ = ["PoolStaging", "StagedParts"]
