@@ -67,7 +67,6 @@ class VllmBackend:
         self._closed = False
         self._specs: dict[str, TensorSpec] = {}
         self._info: ModelInfo | None = None
-        self.start_seconds: float | None = None
         self._sequencing = LoadSequencing(self._alive, self._gate, self.rlinfer_reset_prefix_cache)
         self._weights = WeightSync(config, self.platform, self._alive, self.rlinfer_capabilities, self._sequencing)
         self._staging = Staging(self._alive, self._weights, self._sequencing)
@@ -78,10 +77,8 @@ class VllmBackend:
     @hookimpl
     async def rlinfer_start(self, config: EngineConfig) -> None:
         """Start the engine (or attach to its server), read the parameter specs and the model's facts."""
-        started = time.perf_counter()
         facts = await self.transport.start()
         self._specs, self._info, self._caps = facts.specs, facts.info, facts.capabilities
-        self.start_seconds = time.perf_counter() - started
 
     @hookimpl
     def rlinfer_capabilities(self) -> Capabilities:
