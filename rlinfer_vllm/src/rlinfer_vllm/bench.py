@@ -1,34 +1,32 @@
 """The raw baselines of ``rlinfer bench`` for the in-process transport: the raw engine on the same
-engine instance (a mixin of :class:`rlinfer_vllm.transport.in_process.InProcessTransport`)."""
+engine instance (a component of :class:`rlinfer_vllm.transport.in_process.InProcessTransport`)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from rlinfer_core.types import GenerateRequest
 
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from rlinfer_vllm.load_gate import LoadGate
+    from rlinfer_vllm.load_gate import LoadGate, Rpc
 
 
 class RawBaseline:
-    """``bench_raw_generate`` / ``bench_raw_weight_update`` over AsyncLLM."""
+    """The transport's ``bench_raw_generate`` / ``bench_raw_weight_update`` over AsyncLLM."""
 
-    _gate: LoadGate
+    def __init__(self, alive: Callable[[], AsyncLLM], gate: LoadGate, rpc: Rpc) -> None:
+        """``alive``: the running engine (or EngineDead); ``gate``: the backend's load gate;
+        ``rpc``: the transport's worker call."""
+        self._alive = alive
+        self._gate = gate
+        self._rpc = rpc
 
-    def _alive(self) -> AsyncLLM:
-        raise NotImplementedError
-
-    async def rpc(self, method: str, *args: Any) -> Any:
-        """The transport's worker call."""
-        raise NotImplementedError
-
-    async def bench_raw_generate(self, requests: Sequence[GenerateRequest]) -> int:
+    async def generate(self, requests: Sequence[GenerateRequest]) -> int:
         """The same batch through AsyncLLM.generate with hand-built vLLM params; tokens out."""
         from vllm import SamplingParams
         from vllm.inputs.engine import tokens_input
@@ -65,9 +63,9 @@ class RawBaseline:
         counts = await asyncio.gather(*(one(r, i) for i, r in enumerate(requests)))
         return sum(counts)
 
-    async def bench_raw_weight_update(self, path: str) -> None:
+    async def weight_update(self, path: str) -> None:
         """vLLM's own reload from disk (``reload_weights(weights_path=...)``), no validation."""
         llm = self._alive()
         resolved = str(Path(path).resolve())
         await llm.collective_rpc("reload_weights", kwargs={"weights_path": resolved})
-        await self.rpc("rlinfer_shadow_from_dir", resolved)
+        await self._rpc("rlinfer_shadow_from_dir", resolved)

@@ -1,23 +1,22 @@
-"""Generation of the in-process transport (a mixin of
+"""Generation of the in-process transport (a component of
 :class:`rlinfer_vllm.transport.in_process.InProcessTransport`): batches and streams through
-``AsyncLLM.generate``, with token versions, raw logprobs, images and LoRA adapters."""
+``AsyncLLM.generate``, with token versions, raw logprobs (:class:`rlinfer_vllm.raw.RawLogprobs`),
+images and LoRA adapters (:class:`rlinfer_vllm.lora.LoraAdapters`)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from rlinfer_core.chat_template import prompt_ids
 from rlinfer_core.errors import UnsupportedCapability
-from rlinfer_core.model_info import ModelInfo
 from rlinfer_core.types import (
     Capability,
     Completion,
     CompletionDelta,
-    EngineConfig,
     FinishReason,
     GenerateRequest,
     LogprobsMode,
@@ -26,35 +25,50 @@ from rlinfer_vllm import engine_io
 from rlinfer_vllm import images as image_inputs
 from rlinfer_vllm.batch import complete_all
 from rlinfer_vllm.lora import lora_request
-from rlinfer_vllm.raw import RawLogprobs, delta_tokens
+from rlinfer_vllm.raw import delta_tokens
 
 if TYPE_CHECKING:
     from vllm.sampling_params import RequestOutputKind, SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from rlinfer_core.lora_shelf import ServedAdapter
+    from rlinfer_vllm.load_gate import LoadGate
+    from rlinfer_vllm.lora import LoraAdapters
+    from rlinfer_vllm.raw import RawLogprobs
     from rlinfer_vllm.versions import TokenVersions
 
 
-class Generation(RawLogprobs):
+class Generation:
     """``generate`` / ``stream`` of :class:`rlinfer_vllm.transport.in_process.InProcessTransport`."""
 
-    _info: ModelInfo | None
-    _inflight: set[str]
-    config: EngineConfig
-
-    def _lora_acquire(self, request: GenerateRequest) -> ServedAdapter | None:
-        raise NotImplementedError
-
-    async def _lora_done(self, served: ServedAdapter | None) -> None:
-        raise NotImplementedError
+    def __init__(
+        self,
+        model: str,
+        alive: Callable[[], AsyncLLM],
+        translate: Callable[[Exception], Exception],
+        versions: Callable[[], TokenVersions],
+        max_len: Callable[[], int],
+        inflight: set[str],
+        gate: LoadGate,
+        lora: LoraAdapters,
+        raw: RawLogprobs,
+    ) -> None:
+        """``model``: the served model (its processor places images); ``alive``: the running engine
+        (or EngineDead); ``translate``: an engine error as rlinfer's; ``versions``, ``max_len``: the
+        started engine's token versions and context length; ``inflight``: the backend's request ids
+        in the engine (added and discarded here); ``gate``: the backend's load gate; ``lora``: the
+        served adapters; ``raw``: the raw-logprob scorer."""
+        self._model = model
+        self._alive = alive
+        self._translate = translate
+        self._versions = versions
+        self._max_len = max_len
+        self._inflight = inflight
+        self._gate = gate
+        self._lora = lora
+        self._raw = raw
 
     def _prompt_ids(self, llm: AsyncLLM, request: GenerateRequest) -> list[int]:
         return prompt_ids(llm.tokenizer, request, self._max_len())
-
-    def _max_len(self) -> int:
-        assert self._info is not None
-        return self._info.max_model_len
 
     def _engine_prompt(self, request: GenerateRequest, ids: list[int]) -> tuple[Any, int]:
         """vLLM's prompt for ``ids`` (with the request's images, placeholders expanded once by
@@ -68,13 +82,13 @@ class Generation(RawLogprobs):
             raise UnsupportedCapability(
                 Capability.LOGPROBS_RAW.value, "vllm", "raw logprobs are scored by a text-only prefill: not with images"
             )
-        return image_inputs.engine_prompt(self.config.model, ids, images)
+        return image_inputs.engine_prompt(self._model, ids, images)
 
     def _with_images(self, request: GenerateRequest, done: list[Completion]) -> list[Completion]:
         images = request.all_images
         if not images or not done:
             return done
-        info = image_inputs.multimodal_info(self.config.model, done[0].prompt_token_ids, images)
+        info = image_inputs.multimodal_info(self._model, done[0].prompt_token_ids, images)
         return [attrs.evolve(c, multimodal=info) for c in done]
 
     async def generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:
@@ -91,8 +105,7 @@ class Generation(RawLogprobs):
         ids = self._prompt_ids(llm, request)
         prompt, prompt_len = self._engine_prompt(request, ids)
         params = engine_io.sampling_params(request, prompt_len, self._max_len(), kind)
-        assert self._versions is not None
-        return llm, ids, prompt, params, self._versions
+        return llm, ids, prompt, params, self._versions()
 
     async def _complete(self, request: GenerateRequest) -> list[Completion]:
         from vllm.sampling_params import RequestOutputKind
@@ -100,7 +113,7 @@ class Generation(RawLogprobs):
         llm, ids, prompt, params, versions = self._engine_request(request, RequestOutputKind.FINAL_ONLY)
         started = time.perf_counter()
         last = None
-        served = self._lora_acquire(request)
+        served = self._lora.acquire(request)
         lora = lora_request(served)
         try:
             self._inflight.add(request.request_id)
@@ -127,16 +140,16 @@ class Generation(RawLogprobs):
             ]
             versions.forget(request.request_id, params.n)
             done = self._with_images(request, done)
-            return engine_io.replicate(request, await self._with_raw(request, ids, done, lora))
+            return engine_io.replicate(request, await self._raw.with_raw(request, ids, done, lora))
         finally:
-            await self._lora_done(served)
+            await self._lora.done(served)
 
     async def stream(self, request: GenerateRequest) -> AsyncIterator[CompletionDelta]:
         """Stream deltas (vLLM's DELTA output kind); the last one of each sample has its finish reason."""
         from vllm.sampling_params import RequestOutputKind
 
         llm, ids, prompt, params, versions = self._engine_request(request, RequestOutputKind.DELTA)
-        served = self._lora_acquire(request)
+        served = self._lora.acquire(request)
         lora = lora_request(served)
         raw = request.sampling.logprobs_mode is LogprobsMode.RAW
         seen: dict[int, list[int]] = {}
@@ -164,7 +177,7 @@ class Generation(RawLogprobs):
                             delta = attrs.evolve(delta, token_versions=stamps)
                             if raw and delta.token_ids:
                                 so_far, start = delta_tokens(seen, o.index, delta.token_ids)
-                                lps, _ = await self._raw_score(ids, so_far, start, 0, lora)
+                                lps, _ = await self._raw.score(ids, so_far, start, 0, lora)
                                 delta = attrs.evolve(delta, logprobs=lps)
                             for item in engine_io.replicate(request, [delta]):
                                 yield item
@@ -173,4 +186,4 @@ class Generation(RawLogprobs):
         finally:
             self._inflight.discard(request.request_id)
             versions.forget(request.request_id, params.n)
-            await self._lora_done(served)
+            await self._lora.done(served)

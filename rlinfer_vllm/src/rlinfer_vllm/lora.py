@@ -13,7 +13,7 @@ path, so no block computed with the old weights is ever reused.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from rlinfer_core.errors import InvalidRequest, UnsupportedCapability
@@ -43,45 +43,42 @@ def lora_request(served: ServedAdapter | None) -> LoRARequest | None:
 
 
 class LoraAdapters:
-    """Adapter loading and the per-request adapter lookup of the in-process transport (a mixin of
-    :class:`rlinfer_vllm.transport.in_process.InProcessTransport`)."""
+    """The adapters vLLM serves for rlinfer (their :class:`AdapterShelf`), each counted as in use
+    while a request runs on it."""
 
-    _lora: AdapterShelf
+    def __init__(self, alive: Callable[[], AsyncLLM]) -> None:
+        """``alive``: the running engine (or EngineDead)."""
+        self._alive = alive
+        self._shelf = AdapterShelf(self._remove)
 
-    def _alive(self) -> AsyncLLM:
-        raise NotImplementedError
-
-    def _lora_init(self) -> None:
-        self._lora = AdapterShelf(self._lora_remove)
-
-    async def _lora_remove(self, served: ServedAdapter) -> None:
+    async def _remove(self, served: ServedAdapter) -> None:
         await self._alive().remove_lora(served.engine_id)
 
-    async def load_lora(self, adapter: LoraAdapter, replace: bool) -> None:
+    async def load(self, adapter: LoraAdapter, replace: bool) -> None:
         """Load ``adapter`` as a new vLLM adapter (``replace``: and switch its name to it)."""
         llm = self._alive()
-        served = self._lora.prepare(adapter)
+        served = self._shelf.prepare(adapter)
         try:
             added = await llm.add_lora(lora_request(served))
         except Exception as exc:
-            self._lora.discard(served)
+            self._shelf.discard(served)
             raise InvalidRequest("lora", f"vLLM rejected adapter {adapter.name!r}: {exc}") from exc
         if not added:
-            self._lora.discard(served)
+            self._shelf.discard(served)
             raise InvalidRequest("lora", f"vLLM did not load adapter {adapter.name!r}")
-        await self._lora.put(served)
+        await self._shelf.put(served)
 
-    async def unload_lora(self, name: str) -> None:
+    async def unload(self, name: str) -> None:
         """Unload adapter ``name`` (its vLLM adapter goes once no request in flight uses it)."""
-        await self._lora.unload(name)
+        await self._shelf.unload(name)
 
-    async def list_loras(self) -> Sequence[str]:
+    async def names(self) -> Sequence[str]:
         """Names of the adapters vLLM holds and rlinfer serves."""
         ids = await self._alive().list_loras()
-        return sorted(s.name for s in self._lora.live() if s.engine_id in ids)
+        return sorted(s.name for s in self._shelf.live() if s.engine_id in ids)
 
-    def _lora_acquire(self, request: GenerateRequest) -> ServedAdapter | None:
-        """The adapter a request names, counted as in use until :meth:`_lora_done`."""
+    def acquire(self, request: GenerateRequest) -> ServedAdapter | None:
+        """The adapter a request names, counted as in use until :meth:`done`."""
         if request.lora is not None:
             s = request.sampling
             if s.prompt_logprobs or s.logprobs_mode is LogprobsMode.RAW:
@@ -90,11 +87,12 @@ class LoraAdapters:
                     "vllm",
                     PROMPT_LOGPROBS_LORA,
                 )
-        return self._lora.acquire(request.lora)
+        return self._shelf.acquire(request.lora)
 
-    async def _lora_done(self, served: ServedAdapter | None) -> None:
-        await self._lora.done(served)
+    async def done(self, served: ServedAdapter | None) -> None:
+        """A request that used ``served`` (from :meth:`acquire`) ended."""
+        await self._shelf.done(served)
 
-    def _lora_cleanup(self) -> None:
+    def close(self) -> None:
         """Remove the temporary adapter directories (at shutdown)."""
-        self._lora.close()
+        self._shelf.close()

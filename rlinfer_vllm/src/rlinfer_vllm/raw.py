@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
@@ -42,19 +42,24 @@ DRAIN_POLL_S = 0.005
 
 
 class RawLogprobs:
-    """Raw-logprob scoring, mixed into :class:`rlinfer_vllm.generation.Generation` (the in-process transport)."""
+    """Raw-logprob scoring over one AsyncLLM; owns the count of scorings in flight."""
 
-    _scoring = 0
-    _gate: LoadGate
-    _versions: TokenVersions | None
+    def __init__(
+        self,
+        alive: Callable[[], AsyncLLM],
+        translate: Callable[[Exception], Exception],
+        gate: LoadGate,
+        versions: Callable[[], TokenVersions],
+    ) -> None:
+        """``alive``: the running engine (or EngineDead); ``translate``: an engine error as
+        rlinfer's; ``gate``: the backend's load gate; ``versions``: the started engine's token versions."""
+        self._alive = alive
+        self._translate = translate
+        self._gate = gate
+        self._versions = versions
+        self._scoring = 0  #: scorings in flight
 
-    def _alive(self) -> AsyncLLM:
-        raise NotImplementedError
-
-    def _translate(self, exc: Exception) -> Exception:
-        raise NotImplementedError
-
-    async def _raw_score(
+    async def score(
         self, prompt: Sequence[int], tokens: Sequence[int], start: int, top: int, lora: LoRARequest | None
     ) -> tuple[tuple[float, ...], tuple[Mapping[int, float], ...]]:
         """Raw logprobs of ``tokens[start:]`` after ``prompt + tokens[:start]`` (and the top ``top``
@@ -64,6 +69,7 @@ class RawLogprobs:
         from vllm.sampling_params import RequestOutputKind
 
         llm = self._alive()
+        versions = self._versions()
         params = SamplingParams(
             n=1,
             temperature=0.0,
@@ -78,8 +84,7 @@ class RawLogprobs:
         self._scoring += 1
         try:
             async with self._gate.enter(rid):
-                assert self._versions is not None
-                salt = self._versions.admit(rid, 1)  # a scoring prefills too (rlinfer_vllm.versions)
+                salt = versions.admit(rid, 1)  # a scoring prefills too (rlinfer_vllm.versions)
                 scoring = tokens_input([*prompt, *tokens], cache_salt=salt)
                 async for out in llm.generate(scoring, params, rid, lora_request=lora):
                     last = out
@@ -87,8 +92,7 @@ class RawLogprobs:
             raise self._translate(exc) from exc
         finally:
             self._scoring -= 1
-            if self._versions is not None:
-                self._versions.forget(rid, 1)
+            versions.forget(rid, 1)
         flat = None if last is None else last.prompt_logprobs
         first = len(prompt) + start
         want = len(tokens) - start
@@ -100,16 +104,14 @@ class RawLogprobs:
         tops = tuple(dict(zip(ids[a + 1 : b], values[a + 1 : b], strict=True)) for a, b in bounds) if top else ()
         return lps, tops
 
-    async def _with_raw(
+    async def with_raw(
         self, request: GenerateRequest, prompt: Sequence[int], done: list[Completion], lora: LoRARequest | None
     ) -> list[Completion]:
         """Completions of a raw-mode request with their logprobs replaced by raw ones."""
         if request.sampling.logprobs_mode is not LogprobsMode.RAW:
             return done
         top = request.sampling.logprobs
-        scored = await asyncio.gather(
-            *(self._raw_score(prompt, c.token_ids, 0, top, lora) for c in done if c.token_ids)
-        )
+        scored = await asyncio.gather(*(self.score(prompt, c.token_ids, 0, top, lora) for c in done if c.token_ids))
         out, k = [], 0
         for c in done:
             if c.token_ids:
@@ -119,7 +121,7 @@ class RawLogprobs:
             out.append(c)
         return out
 
-    async def _drain_scoring(self, timeout_s: float) -> None:
+    async def drain(self, timeout_s: float) -> None:
         """Wait for the scorings in flight (before a pause would freeze or abort them)."""
         deadline = time.monotonic() + timeout_s
         while self._scoring and time.monotonic() < deadline:

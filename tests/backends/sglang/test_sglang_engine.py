@@ -297,7 +297,7 @@ def test_scheduler_death_raises_engine_dead(engine: Engine, sibling: subprocess.
 
 
 def test_shutdown_leaves_no_child_processes(engine: Engine, sibling: subprocess.Popen[bytes]) -> None:
-    all_pids = _backend(engine)._transport.all_engine_processes()  # type: ignore[attr-defined]
+    all_pids = _backend(engine)._transport._supervision.all_engine_processes()  # type: ignore[attr-defined]
     engine.shutdown()
     engine.shutdown()  # idempotent
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in all_pids)

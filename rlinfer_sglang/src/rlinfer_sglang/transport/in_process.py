@@ -3,17 +3,17 @@
 SGLang's Engine keeps its tokenizer manager in the caller's process and event loop and runs the
 scheduler (model + KV cache) and the detokenizer in child processes. This transport drives the
 tokenizer manager's async API directly (the Engine's sync wrappers would block the loop), every
-call raced against the engine's death (:meth:`Supervision.guard`); process care (signals, death,
-shutdown) is :mod:`rlinfer_sglang.transport.supervision`.
+call raced against the engine's death. Process care (start, signals, death, shutdown) is the
+:class:`~rlinfer_sglang.transport.supervision.Supervision` component the transport owns.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from typing_extensions import override
 
@@ -34,6 +34,8 @@ from rlinfer_sglang.requests import priority_sign
 from rlinfer_sglang.transport import Served, Transport
 from rlinfer_sglang.transport.supervision import Supervision
 
+T = TypeVar("T")
+
 
 def _io() -> Any:
     from sglang.srt.managers import io_struct
@@ -41,14 +43,16 @@ def _io() -> Any:
     return io_struct
 
 
-class InProcessTransport(Supervision, Transport):
+class InProcessTransport(Transport):
     """SGLang's offline Engine in this process (``EngineConfig(mode="in_process")``, the default)."""
 
     abort_settle_s = 0.0  # the tokenizer manager registers a request before it is sent
     off_before_start: Mapping[Capability, str] = {}
 
     def __init__(self, config: EngineConfig, platform: Platform) -> None:
-        super().__init__(config, platform)
+        self.config = config
+        self.platform = platform
+        self._supervision = Supervision(platform)
         self.tp_size = config.world_size
         self.begin_end = True
         self.flush_needs_idle = False
@@ -57,7 +61,7 @@ class InProcessTransport(Supervision, Transport):
 
     @override
     async def start(self, capabilities: Capabilities) -> Served:
-        await self._launch(self.config)
+        await self._supervision.launch(self.config)
         tm = self._tm
         args = getattr(tm, "server_args", None)
         self.begin_end = hasattr(_io(), "BeginWeightUpdateReqInput")
@@ -114,11 +118,39 @@ class InProcessTransport(Supervision, Transport):
 
         return str(snapshot_download(self.config.model, allow_patterns=["*.safetensors", "*.json"]))
 
+    @property
+    def _tm(self) -> Any:
+        """SGLang's tokenizer manager, as the supervision holds it."""
+        return self._supervision.tokenizer_manager
+
+    # --- process care --------------------------------------------------------------------------
+
+    @override
+    def alive(self) -> None:
+        self._supervision.alive()
+
+    @override
+    async def guard(self, awaitable: Awaitable[T]) -> T:
+        return await self._supervision.guard(awaitable)
+
     @override
     def translate(self, exc: Exception) -> Exception:
-        if self._dead is not None and not isinstance(exc, RLInferError):
-            return EngineDead(f"the SGLang engine died ({self._dead}): {exc}")
+        dead = self._supervision.dead
+        if dead is not None and not isinstance(exc, RLInferError):
+            return EngineDead(f"the SGLang engine died ({dead}): {exc}")
         return exc
+
+    @override
+    async def check_health(self) -> None:
+        await self._supervision.check_health()
+
+    @override
+    async def shutdown(self) -> None:
+        await self._supervision.shutdown()
+
+    @override
+    def processes(self) -> Mapping[str, int]:
+        return self._supervision.processes()
 
     # --- generation ----------------------------------------------------------------------------
 
@@ -241,8 +273,9 @@ class InProcessTransport(Supervision, Transport):
 
     @override
     async def raw_generate(self, body: Mapping[str, Any]) -> list[dict[str, Any]]:
-        assert self._engine is not None
-        outs: list[dict[str, Any]] = await self.guard(self._engine.async_generate(**body))
+        engine = self._supervision.engine
+        assert engine is not None
+        outs: list[dict[str, Any]] = await self.guard(engine.async_generate(**body))
         return outs
 
     # --- LoRA ----------------------------------------------------------------------------------

@@ -94,10 +94,13 @@ def ensure_cpu_env(platform: str) -> None:
 
 
 class Supervision:
-    """Starts the engine's processes, watches them and shuts them down (in this process)."""
+    """Starts the engine's processes, watches them and shuts them down (in this process).
 
-    def __init__(self, config: EngineConfig, platform: Platform) -> None:
-        self.config = config
+    The in-process transport owns one: it drives the engine through :attr:`tokenizer_manager`
+    and races its calls against the engine's death with :meth:`guard`.
+    """
+
+    def __init__(self, platform: Platform) -> None:
         self.platform = platform
         self._engine: Engine | None = None
         self._tm: Any = None  #: SGLang's TokenizerManager (in this process)
@@ -108,6 +111,21 @@ class Supervision:
         self._monitor: asyncio.Task[None] | None = None
         self._signals: dict[int, Any] = {}
         self._quit_guard = ""
+
+    @property
+    def tokenizer_manager(self) -> Any:
+        """SGLang's TokenizerManager (in this process); None before start and after shutdown."""
+        return self._tm
+
+    @property
+    def engine(self) -> Engine | None:
+        """SGLang's Engine; None before start and after shutdown."""
+        return self._engine
+
+    @property
+    def dead(self) -> str | None:
+        """Why the engine died or was shut down; None while it runs."""
+        return self._dead
 
     def _mark_dead(self, reason: str) -> None:
         if self._dead is None:
@@ -140,7 +158,7 @@ class Supervision:
         self.alive()
         raise EngineDead("the SGLang engine died")
 
-    async def _launch(self, config: EngineConfig) -> None:
+    async def launch(self, config: EngineConfig) -> None:
         """Start SGLang's Engine (scheduler + detokenizer processes) and take over its process care."""
         ensure_cpu_env(self.platform)
         try:

@@ -53,6 +53,29 @@ class ProcessWatch:
         self._checked_at = 0.0
 
 
+def process_roles(running: Sequence[Any], server_pid: int | None = None) -> dict[str, int]:
+    """``{role: pid}`` by vLLM's process titles: ``APIServer`` (``server_pid``), ``EngineCore``,
+    ``Worker-0``...; others by their name."""
+    roles: dict[str, int] = {}
+    workers = 0
+    for proc in sorted(running, key=lambda p: p.pid):
+        if proc.pid == server_pid:
+            roles["APIServer"] = proc.pid
+            continue
+        try:
+            title = proc.name()
+        except Exception:  # exited meanwhile
+            continue
+        if "EngineCore" in title:
+            role = "EngineCore"
+        elif "Worker" in title:
+            role, workers = f"Worker-{workers}", workers + 1
+        else:
+            role = f"{title}-{proc.pid}"
+        roles[role] = proc.pid
+    return roles
+
+
 @attrs.frozen
 class Started:
     """What a started engine tells the backend: parameter specs, model facts, capabilities."""

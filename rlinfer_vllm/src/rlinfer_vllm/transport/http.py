@@ -43,9 +43,8 @@ from rlinfer_vllm.api_server.engine_route import FEATURES_PATH, VERSION_PATH
 from rlinfer_vllm.batch import complete_all
 from rlinfer_vllm.capabilities import SERVER_MODE_NOTE, Platform, capabilities
 from rlinfer_vllm.config import engine_args, engine_variables
-from rlinfer_vllm.transport import ProcessWatch, Started
+from rlinfer_vllm.transport import ProcessWatch, Started, process_roles
 from rlinfer_vllm.transport.http_client import RouteMissing, ServerClient, b64
-from rlinfer_vllm.transport.in_process import process_roles
 from rlinfer_vllm.transport.server_capabilities import server_capabilities
 from rlinfer_vllm.transport.server_command import server_argv, server_process, with_port
 from rlinfer_vllm.transport.stream_versions import StreamVersions

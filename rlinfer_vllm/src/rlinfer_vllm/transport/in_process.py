@@ -2,9 +2,12 @@
 
 AsyncLLM runs the engine core (scheduler) and its workers in child processes. Weight updates
 reach the workers through ``collective_rpc`` into
-:class:`rlinfer_vllm.worker.RLInferWorkerExtension`. Generation (with raw logprobs, images and
-LoRA adapters) is :class:`rlinfer_vllm.generation.Generation`; the backend's concerns are in
-:class:`rlinfer_vllm.backend.VllmBackend`.
+:class:`rlinfer_vllm.worker.RLInferWorkerExtension`. The transport owns the engine (its processes,
+model facts and token versions) and builds the components that use it: generation
+(:class:`rlinfer_vllm.generation.Generation`, with images), raw-logprob scoring
+(:class:`rlinfer_vllm.raw.RawLogprobs`), LoRA adapters (:class:`rlinfer_vllm.lora.LoraAdapters`)
+and ``rlinfer bench``'s raw baselines (:class:`rlinfer_vllm.bench.RawBaseline`). The backend's
+concerns are in :class:`rlinfer_vllm.backend.VllmBackend`.
 """
 
 from __future__ import annotations
@@ -14,22 +17,32 @@ import contextlib
 import functools
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from rlinfer_core import processes
 from rlinfer_core.errors import BackendLoadError, EngineDead, InvalidRequest, RLInferError, UnsupportedCapability
+from rlinfer_core.lora import LoraAdapter
 from rlinfer_core.model_info import ModelInfo
 from rlinfer_core.tools import ToolCalls, ToolSpec
-from rlinfer_core.types import Capabilities, Capability, EngineConfig, PauseMode
+from rlinfer_core.types import (
+    Capabilities,
+    Capability,
+    Completion,
+    CompletionDelta,
+    EngineConfig,
+    GenerateRequest,
+    PauseMode,
+)
 from rlinfer_core.weights import TensorSpec
 from rlinfer_vllm.bench import RawBaseline
 from rlinfer_vllm.capabilities import PRIORITY_OFF_NOTE, Platform, capabilities, lora_refused
 from rlinfer_vllm.config import engine_args, engine_environment
 from rlinfer_vllm.generation import Generation
 from rlinfer_vllm.lora import LoraAdapters
+from rlinfer_vllm.raw import RawLogprobs
 from rlinfer_vllm.tools import ToolParsing
-from rlinfer_vllm.transport import ProcessWatch, Started
+from rlinfer_vllm.transport import ProcessWatch, Started, process_roles
 from rlinfer_vllm.versions import TokenVersions
 
 if TYPE_CHECKING:
@@ -56,7 +69,7 @@ STEP_BOUNDARY_GRACE_S = 30.0
 STRUCTURED_OUTPUTS = {"backend": "xgrammar", "disable_any_whitespace": True}
 
 
-class InProcessTransport(LoraAdapters, RawBaseline, Generation):
+class InProcessTransport:
     """The engine calls over one ``AsyncLLM``."""
 
     gated = True
@@ -66,7 +79,6 @@ class InProcessTransport(LoraAdapters, RawBaseline, Generation):
     ) -> None:
         self.config = config
         self.platform = platform
-        self._inflight = inflight
         self._gate = gate
         self.capabilities = capabilities(
             platform,
@@ -86,7 +98,20 @@ class InProcessTransport(LoraAdapters, RawBaseline, Generation):
         self._versions: TokenVersions | None = None
         self._dead_processes = ProcessWatch(self._dead_now)
         self._tool_parsing: ToolParsing | None = None
-        self._lora_init()
+        self._lora = LoraAdapters(self._alive)
+        self._raw = RawLogprobs(self._alive, self._translate, gate, self._started_versions)
+        self._generation = Generation(
+            config.model,
+            self._alive,
+            self._translate,
+            self._started_versions,
+            self._max_len,
+            inflight,
+            gate,
+            self._lora,
+            self._raw,
+        )
+        self._baseline = RawBaseline(self._alive, gate, self.rpc)
 
     @property
     def kv_cache_release(self) -> bool:
@@ -211,6 +236,14 @@ class InProcessTransport(LoraAdapters, RawBaseline, Generation):
             raise EngineDead(f"vLLM engine process(es) {gone} died; open a new engine")
         return llm
 
+    def _started_versions(self) -> TokenVersions:
+        assert self._versions is not None
+        return self._versions
+
+    def _max_len(self) -> int:
+        assert self._info is not None
+        return self._info.max_model_len
+
     def _dead_now(self) -> list[int]:
         """Pids of engine processes (engine core, workers) that are no longer running."""
         running = {p.pid for p in processes.alive(self._engine_procs)}
@@ -245,7 +278,7 @@ class InProcessTransport(LoraAdapters, RawBaseline, Generation):
                 llm.shutdown = _already_shut_down  # type: ignore[method-assign,unused-ignore]
             finally:
                 await loop.run_in_executor(None, processes.reap, self._engine_procs)
-                self._lora_cleanup()
+                self._lora.close()
 
     def engine_processes(self) -> list[int]:
         """Pids of the processes the engine started that are still running."""
@@ -274,6 +307,16 @@ class InProcessTransport(LoraAdapters, RawBaseline, Generation):
             return InvalidRequest("request", f"vLLM rejected it: {exc}")
         return exc
 
+    # --- generation ----------------------------------------------------------------------------
+
+    async def generate(self, requests: Sequence[GenerateRequest]) -> list[Completion]:
+        """Run every request concurrently; n completions per request, in request order."""
+        return await self._generation.generate(requests)
+
+    def stream(self, request: GenerateRequest) -> AsyncIterator[CompletionDelta]:
+        """Stream deltas (vLLM's DELTA output kind); the last one of each sample has its finish reason."""
+        return self._generation.stream(request)
+
     # --- abort, pause, caches ------------------------------------------------------------------
 
     async def abort(self, request_ids: Sequence[str]) -> None:
@@ -283,7 +326,7 @@ class InProcessTransport(LoraAdapters, RawBaseline, Generation):
     async def pause(self, mode: PauseMode) -> None:
         """vLLM's pause_generation once raw-logprob scorings finished; "keep" keeps the KV cache."""
         llm = self._alive()
-        await self._drain_scoring(self.config.request_timeout_s)  # raw-logprob prefills: short
+        await self._raw.drain(self.config.request_timeout_s)  # raw-logprob prefills: short
         await llm.pause_generation(mode=mode.value, clear_cache=mode != PauseMode.KEEP)
 
     async def resume(self) -> None:
@@ -385,11 +428,33 @@ class InProcessTransport(LoraAdapters, RawBaseline, Generation):
         """vLLM wake_up for ``tags``."""
         await self._alive().wake_up(tags=list(tags))
 
+    # --- tools, LoRA, bench --------------------------------------------------------------------
+
     def parse_tool_calls(self, text: str, parser: str, tools: Sequence[ToolSpec]) -> ToolCalls:
         """Tool calls in ``text`` by vLLM's own parser (:mod:`rlinfer_vllm.tools`)."""
         if self._tool_parsing is None:
             self._tool_parsing = ToolParsing(self._alive().tokenizer)
         return self._tool_parsing.parse(text, parser, tools)
+
+    async def load_lora(self, adapter: LoraAdapter, replace: bool) -> None:
+        """Load ``adapter`` as a new vLLM adapter (``replace``: and switch its name to it)."""
+        await self._lora.load(adapter, replace)
+
+    async def unload_lora(self, name: str) -> None:
+        """Unload adapter ``name`` (its vLLM adapter goes once no request in flight uses it)."""
+        await self._lora.unload(name)
+
+    async def list_loras(self) -> Sequence[str]:
+        """Names of the adapters vLLM holds and rlinfer serves."""
+        return await self._lora.names()
+
+    async def bench_raw_generate(self, requests: Sequence[GenerateRequest]) -> int:
+        """The same batch through AsyncLLM.generate with hand-built vLLM params; tokens out."""
+        return await self._baseline.generate(requests)
+
+    async def bench_raw_weight_update(self, path: str) -> None:
+        """vLLM's own reload from disk (``reload_weights(weights_path=...)``), no validation."""
+        await self._baseline.weight_update(path)
 
 
 async def step_boundary_ready(llm: AsyncLLM, config: EngineConfig) -> bool:
@@ -405,29 +470,6 @@ async def step_boundary_ready(llm: AsyncLLM, config: EngineConfig) -> bool:
     except Exception as exc:  # the plugin is not installed, or VLLM_PLUGINS leaves it out
         logger.info("weight loads pause the scheduler: rlinfer's engine-core plugin did not answer (%s)", exc)
         return False
-
-
-def process_roles(running: Sequence[Any], server_pid: int | None = None) -> dict[str, int]:
-    """``{role: pid}`` by vLLM's process titles: ``APIServer`` (``server_pid``), ``EngineCore``,
-    ``Worker-0``...; others by their name."""
-    roles: dict[str, int] = {}
-    workers = 0
-    for proc in sorted(running, key=lambda p: p.pid):
-        if proc.pid == server_pid:
-            roles["APIServer"] = proc.pid
-            continue
-        try:
-            title = proc.name()
-        except Exception:  # exited meanwhile
-            continue
-        if "EngineCore" in title:
-            role = "EngineCore"
-        elif "Worker" in title:
-            role, workers = f"Worker-{workers}", workers + 1
-        else:
-            role = f"{title}-{proc.pid}"
-        roles[role] = proc.pid
-    return roles
 
 
 def _already_shut_down(timeout: float | None = None) -> None:
@@ -446,4 +488,4 @@ def _shutdown_late(future: asyncio.Future[Any], before: set[int]) -> None:
     processes.reap(processes.started_since(before), timeout_s=5.0)
 
 
-__all__ = ["InProcessTransport", "process_roles"]
+__all__ = ["InProcessTransport"]
