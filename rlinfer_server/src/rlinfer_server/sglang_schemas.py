@@ -129,12 +129,6 @@ class SglInitGroupBody(Body):
     pp_rank: int | None = None  # AReaL's; one pipeline stage per engine here
 
 
-class SglDestroyGroupBody(Body):
-    """``POST /destroy_weights_update_group``."""
-
-    group_name: str = "weight_update_group"
-
-
 class SglUpdateFromDistributedBody(Body):
     """``POST /update_weights_from_distributed``: one broadcast per tensor from rank 0 follows."""
 
@@ -178,9 +172,3 @@ class SglWeightVersionBody(Body):
 
     new_version: str
     abort_all_requests: bool = True
-
-
-class SglWeightsCheckerBody(Body):
-    """``POST /weights_checker`` (slime's ``{"action": ...}``)."""
-
-    action: Literal["snapshot", "reset_tensors", "compare", "checksum"] = Field(default="checksum")

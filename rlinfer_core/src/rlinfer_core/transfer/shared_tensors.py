@@ -81,12 +81,3 @@ def load_named_tensors(payload: bytes) -> list[tuple[str, torch.Tensor]]:
     ):
         raise InvalidRequest("serialized_named_tensors", "must hold a list of (name, tensor) pairs")
     return [(name, tensor.detach().clone()) for name, tensor in loaded]
-
-
-def _is_named_tensor(item: Any, tensor_type: type) -> bool:
-    return (
-        isinstance(item, list | tuple)
-        and len(item) == 2
-        and isinstance(item[0], str)
-        and isinstance(item[1], tensor_type)
-    )
