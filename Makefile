@@ -138,10 +138,10 @@ test-vllm-tp2: env-vllm
 POOL_KIT_SKIP := -k "not test_architecture_ and not test_routed_experts_match and not test_hidden_states_match and not test_dummy_start and not test_priority_orders_the_queue and not image"
 # Ray's local cluster is stopped whatever the outcome, so no Ray process outlives the target.
 RAY_STOP := trap '$(VENVS)/vllm/bin/ray stop --force >/dev/null 2>&1 || true' EXIT;
-# CI: the pool tests and the kit against a vLLM pool; the SGLang pool kit runs in `make thorough`.
+# CI: the pool tests and the kit against a vLLM pool, in one session on one pool (tests/ray/conftest.py
+# takes the kit's); the SGLang pool kit runs in `make thorough`.
 test-ray: env-vllm
-	$(RAY_STOP) $(VENVS)/vllm/bin/python -m pytest tests/ray -q && \
-	$(VENVS)/vllm/bin/python -m pytest tests/backends/test_vllm_conformance.py -q --rlinfer-backend vllm --rlinfer-replicas 2 --rlinfer-report out/conformance-vllm-pool.json $(POOL_KIT_SKIP)
+	$(RAY_STOP) $(VENVS)/vllm/bin/python -m pytest tests/ray tests/backends/test_vllm_conformance.py -q --rlinfer-backend vllm --rlinfer-replicas 2 --rlinfer-report out/conformance-vllm-pool.json $(POOL_KIT_SKIP)
 
 test-ray-sglang: env-sglang
 	$(RAY_STOP) $(VENVS)/sglang/bin/python -m pytest tests/backends/test_sglang_conformance.py -q --rlinfer-backend sglang --rlinfer-replicas 2 --rlinfer-report out/conformance-sglang-pool.json $(POOL_KIT_SKIP)

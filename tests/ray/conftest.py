@@ -22,10 +22,17 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
-def pool(model_dirs: dict[str, Path]) -> Iterator[Any]:
+def pool(request: pytest.FixtureRequest, model_dirs: dict[str, Path]) -> Iterator[Any]:
+    """A pool of two replicas of seed 0. When the conformance kit runs in the same session against
+    a pool of two of the same backend (`make test-ray`), it is the kit's pool: its model and config
+    are these (the same seeds, ``default_config``), and a 2-replica start is ~2 min on 2 cores."""
     from rlinfer_conformance.world import default_config
     from rlinfer_ray import PoolConfig, open_pool
 
+    config = request.config
+    if config.getoption("--rlinfer-backend", None) == BACKEND and config.getoption("--rlinfer-replicas") == 2:
+        yield request.getfixturevalue("rlinfer_world").engine
+        return
     engine = open_pool(BACKEND, default_config(model_dirs["base"], {}), pool=PoolConfig(replicas=2))
     try:
         yield engine

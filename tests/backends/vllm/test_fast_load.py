@@ -16,7 +16,6 @@ repack their weights): the worker says why, an update reports ``fast_load`` 0, a
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, ClassVar
@@ -271,22 +270,9 @@ def test_eligible_engine_and_switches(monkeypatch: pytest.MonkeyPatch) -> None:
 # --- the real engine on CPU ---------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def engine_and_models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Path, Path]]:
-    pytest.importorskip("vllm")
-    from vllm_test_helpers import ENGINE_FIELDS
-
-    from rlinfer_core.engine import open_engine
-    from rlinfer_core.tiny_model import TinyModelSpec, make_tiny_model
-
-    root = tmp_path_factory.mktemp("vllm-fast-load")
-    spec = TinyModelSpec(architecture="qwen2")  # q/k/v biases, head tied to the embedding
-    models = make_tiny_model(root / "seed0", seed=0, spec=spec), make_tiny_model(root / "seed1", seed=1, spec=spec)
-    eng = open_engine("vllm", model=str(models[0]), load_entry_point_plugins=False, **ENGINE_FIELDS)
-    try:
-        yield eng, *models
-    finally:
-        eng.shutdown()
+@pytest.fixture
+def engine_and_models(qwen2_engine: Any, qwen2_models: tuple[Path, Path]) -> tuple[Any, Path, Path]:
+    return qwen2_engine, *qwen2_models
 
 
 def worker_timings(caplog: pytest.LogCaptureFixture) -> dict[str, Any]:

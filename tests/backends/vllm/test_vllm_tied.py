@@ -9,7 +9,7 @@ checksums and per-token versions across pause(keep) + update + resume.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +17,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_test_helpers import ENGINE_FIELDS, PROMPTS, state_dict
+from vllm_test_helpers import PROMPTS, state_dict
 
-from rlinfer_core.engine import Engine, open_engine
-from rlinfer_core.tiny_model import TinyModelSpec, make_tiny_model
+from rlinfer_core.engine import Engine
 from rlinfer_core.transfer.buckets import pack
 from rlinfer_core.types import Capability, GenerateRequest, PauseMode, SamplingParams
 from rlinfer_core.weights import Buckets, CheckpointDir, NamedTensors
@@ -29,20 +28,14 @@ TOL = 1e-5
 MAX_TOKENS = 8
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("vllm-qwen2")
-    spec = TinyModelSpec(architecture="qwen2")
-    return make_tiny_model(root / "seed0", seed=0, spec=spec), make_tiny_model(root / "seed1", seed=1, spec=spec)
+@pytest.fixture
+def models(qwen2_models: tuple[Path, Path]) -> tuple[Path, Path]:
+    return qwen2_models
 
 
-@pytest.fixture(scope="module")
-def engine(models: tuple[Path, Path]) -> Iterator[Engine]:
-    eng = open_engine("vllm", model=str(models[0]), load_entry_point_plugins=False, **ENGINE_FIELDS)
-    try:
-        yield eng
-    finally:
-        eng.shutdown()
+@pytest.fixture
+def engine(qwen2_engine: Engine) -> Engine:
+    return qwen2_engine
 
 
 def hf_logprobs(

@@ -1,0 +1,36 @@
+"""One vLLM engine on a tiny Qwen2 (q/k/v biases, head tied to the embedding) for the test modules
+that need that layout (test_vllm_tied.py, test_fast_load.py): an engine start is ~50 s on 2 cores.
+Each test leaves seed 0's weights served."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def qwen2_models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Tiny Qwen2 checkpoints of seeds 0 (served at start) and 1."""
+    from rlinfer_core.tiny_model import TinyModelSpec, make_tiny_model
+
+    root = tmp_path_factory.mktemp("vllm-qwen2")
+    spec = TinyModelSpec(architecture="qwen2")
+    return make_tiny_model(root / "seed0", seed=0, spec=spec), make_tiny_model(root / "seed1", seed=1, spec=spec)
+
+
+@pytest.fixture(scope="session")
+def qwen2_engine(qwen2_models: tuple[Path, Path]) -> Iterator[Any]:
+    """The vLLM engine serving seed 0 of :func:`qwen2_models`."""
+    pytest.importorskip("vllm")
+    from vllm_test_helpers import ENGINE_FIELDS
+
+    from rlinfer_core.engine import open_engine
+
+    engine = open_engine("vllm", model=str(qwen2_models[0]), load_entry_point_plugins=False, **ENGINE_FIELDS)
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
