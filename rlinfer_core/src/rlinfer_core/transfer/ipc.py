@@ -12,8 +12,8 @@ import io
 import logging
 import pickle
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
     import torch
@@ -37,25 +37,41 @@ def dumps(tensors: Sequence[tuple[str, torch.Tensor]]) -> bytes:
     for name, tensor in tensors:
         t = tensor.detach()
         if t.device.type == "cpu":
-            t = t.contiguous().share_memory_()  # type: ignore[no-untyped-call]
+            t = _answered_by_the_manager(t.contiguous().share_memory_, "sharing")
         shared.append((name, t))
     buf = io.BytesIO()
     ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(shared)
     return buf.getvalue()
 
 
-#: what torch raises when the sender's shared-memory manager (``torch_shm_manager``) does not
-#: answer an attach within its fixed poll timeout: seen on a loaded 2-core host (engines, Ray
-#: replicas and the trainer at once), with nothing attached yet, so attaching again is safe
+#: what torch raises when its shared-memory manager (``torch_shm_manager``) does not answer within
+#: its fixed poll timeout, on either side: the receiver's attach, or the sender's ``share_memory_``
+#: (both seen on a loaded 2-core host with engines, Ray replicas and the trainer at once). Nothing
+#: is shared or attached by the call that timed out, so making it again is safe
 MANAGER_TIMEOUT = "Shared memory manager connection has timed out"
-#: seconds waited before each further attach: the manager must answer within a fixed 1 s poll,
-#: which a loaded host missed three times in a row once (a staged update to a Ray replica, clean
-#: clone of 2026-11-27)
-ATTACH_BACKOFF_S = (0.25, 0.5, 1.0, 2.0, 4.0)
-#: attaches tried before the manager's timeout is the caller's error
-ATTACH_TRIES = len(ATTACH_BACKOFF_S) + 1
+#: seconds waited before each further try: the manager must answer within a fixed 1 s poll, which
+#: a loaded host missed three times in a row once (a staged update to a Ray replica, clean clone
+#: of 2026-11-27)
+MANAGER_BACKOFF_S = (0.25, 0.5, 1.0, 2.0, 4.0)
+#: tries before the manager's timeout is the caller's error
+MANAGER_TRIES = len(MANAGER_BACKOFF_S) + 1
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def _answered_by_the_manager(call: Callable[[], T], what: str) -> T:
+    """``call()``, made again while torch's shared-memory manager times out (:data:`MANAGER_TIMEOUT`)."""
+    for attempt in range(1, MANAGER_TRIES + 1):
+        try:
+            return call()
+        except RuntimeError as exc:
+            if MANAGER_TIMEOUT not in str(exc) or attempt == MANAGER_TRIES:
+                raise
+            logger.warning("%s tensors: torch's shared-memory manager timed out (try %d)", what, attempt)
+            time.sleep(MANAGER_BACKOFF_S[attempt - 1])
+    raise AssertionError("unreachable")
 
 
 def loads(payload: bytes) -> list[tuple[str, torch.Tensor]]:
@@ -63,16 +79,8 @@ def loads(payload: bytes) -> list[tuple[str, torch.Tensor]]:
     shared-memory manager did not answer in time is tried again (:data:`MANAGER_TIMEOUT`)."""
     import torch.multiprocessing  # noqa: F401 - registers the tensor reductions
 
-    for attempt in range(1, ATTACH_TRIES + 1):
-        try:
-            result: list[tuple[str, torch.Tensor]] = pickle.loads(payload)
-            return result
-        except RuntimeError as exc:
-            if MANAGER_TIMEOUT not in str(exc) or attempt == ATTACH_TRIES:
-                raise
-            logger.warning("attaching shared tensors: torch's shared-memory manager timed out (try %d)", attempt)
-            time.sleep(ATTACH_BACKOFF_S[attempt - 1])
-    raise AssertionError("unreachable")
+    result: list[tuple[str, torch.Tensor]] = _answered_by_the_manager(lambda: pickle.loads(payload), "attaching")
+    return result
 
 
 def all_cuda(tensors: Sequence[tuple[str, torch.Tensor]]) -> bool:
