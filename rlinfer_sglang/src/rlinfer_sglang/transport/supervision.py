@@ -277,10 +277,6 @@ class Supervision:
         """An engine whose start was cancelled (startup timeout): kill what it started."""
         processes.kill(processes.started_since(before), grace_s=2.0)
 
-    def engine_processes(self) -> list[int]:
-        """Pids of the processes the engine started that are still running."""
-        return [p.pid for p in processes.alive(self._procs)]
-
     def processes(self) -> Mapping[str, int]:
         """``{role: pid}`` of the engine's running processes ("scheduler", "detokenizer", ...)."""
         roles: dict[str, int] = {}
