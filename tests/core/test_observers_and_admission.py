@@ -137,7 +137,7 @@ def test_requests_wait_at_the_gate_while_paused() -> None:
         held = request()
         task = asyncio.ensure_future(e.generate([held]))
         await asyncio.sleep(0.05)  # plenty for the double to answer were the request not held
-        waiting = held.request_id in e._admission.waiting and not task.done()
+        waiting = held.request_id in e._requests.admission.waiting and not task.done()
         assert "generate" not in [c[0] for c in INSTANCES[-1].calls], "the engine has not seen it"
         await e.resume()
         await asyncio.wait_for(task, 5)
@@ -166,7 +166,9 @@ def test_token_versions_filled_and_weight_version_is_the_newest() -> None:
     e = engine()
     out = asyncio.run(e.generate([request(max_tokens=4)]))
     assert out[0].token_versions == (0, 0, 0, 0) and out[0].weight_version == 0
-    stamped = e._stamp(Completion("r", 0, (1,), (5, 6, 7), (-1.0,) * 3, FinishReason.LENGTH, token_versions=(2, 2, 3)))
+    stamped = e._requests.stamp(
+        Completion("r", 0, (1,), (5, 6, 7), (-1.0,) * 3, FinishReason.LENGTH, token_versions=(2, 2, 3))
+    )
     assert stamped.weight_version == 3 and stamped.token_versions == (2, 2, 3)
 
 
@@ -256,7 +258,7 @@ def test_abort_releases_a_request_waiting_at_the_pause_gate() -> None:
     async def scenario() -> list[Completion]:
         await e.pause(PauseMode.KEEP)
         task = asyncio.ensure_future(e.generate([request(request_id="held")]))
-        while "held" not in e._admission.waiting:
+        while "held" not in e._requests.admission.waiting:
             await asyncio.sleep(0)
         assert not task.done(), "premise: the request waits at the gate"
         await e.abort(["held"])

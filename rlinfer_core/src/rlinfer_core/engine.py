@@ -11,53 +11,43 @@ change, and event hooks for observer plugins. The backend object only drives its
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from rlinfer_core import hookspecs
-from rlinfer_core.admission import Admission
-from rlinfer_core.agent import attach_tool_calls, check_agent_request, derive_capabilities
+from rlinfer_core.agent import derive_capabilities
 from rlinfer_core.backend import (
-    AbortingBackend,
     BenchBackend,
-    PausingBackend,
     ProcessesBackend,
-    StreamingBackend,
     check_backend,
     claimed_but_missing,
 )
 from rlinfer_core.discovery import BackendInfo, get_backend, plugin_objects
 from rlinfer_core.engine_calls import BackendCalls
+from rlinfer_core.engine_requests import Requests
 from rlinfer_core.engine_staging import Staging
 from rlinfer_core.engine_weights import Weights
-from rlinfer_core.errors import BackendLoadError, InvalidRequest
+from rlinfer_core.errors import BackendLoadError
 from rlinfer_core.model_info import ModelInfo
 from rlinfer_core.observers import Observers
-from rlinfer_core.oom_retry import OutOfMemoryRetry, retrying_out_of_memory
+from rlinfer_core.oom_retry import OutOfMemoryRetry
 from rlinfer_core.preflight import (
     TRANSPORT_CAPABILITY,
-    as_batch,
     as_memory_tags,
-    check_config_limits,
     request_capabilities,
     transport_capability,
     transport_name,
-    validate_request,
 )
-from rlinfer_core.preflight import pause_mode as preflight_pause_mode
 from rlinfer_core.types import (
-    PAUSE_CAPABILITY,
     Capabilities,
     Capability,
     Completion,
     CompletionDelta,
     EngineConfig,
-    FinishReason,
     GenerateRequest,
     MemoryTag,
     PauseMode,
@@ -75,17 +65,15 @@ if TYPE_CHECKING:
     from rlinfer_core.types import SamplingParams
     from rlinfer_core.weights import BroadcastGroup, TensorSpec, WeightDelta, WeightSource, WeightUpdate
 
-#: how long abort() keeps aborting targets the engine may not have registered yet
-ABORT_SETTLE_S = 2.0
-
 
 class AsyncEngine:
     """One running engine behind the rlinfer contract. Build it with :meth:`open`.
 
-    This class states the whole surface and holds the lifecycle, generation, abort and pause.
+    This class states the whole surface and holds the lifecycle.
     Its components own the rest of its state: :class:`~rlinfer_core.engine_calls.BackendCalls`
     (the backend, optional hooks, deadlines, dead-engine detection),
-    :class:`~rlinfer_core.admission.Admission` (requests in flight, the pause gate),
+    :class:`~rlinfer_core.engine_requests.Requests` (validation, admission, generate, stream,
+    abort, pause),
     :class:`~rlinfer_core.engine_weights.Weights` (version, updates, verification, memory) and
     :class:`~rlinfer_core.engine_staging.Staging` (the staged update now open).
     """
@@ -106,9 +94,6 @@ class AsyncEngine:
         self._pm = hookspecs.PluginManager()
         self._pm.register(backend, name=f"backend:{info.name}")
         self._observers = Observers(plugins, entry_point_plugins)
-        self._admission = Admission()
-        #: retry generate after a transient EngineOutOfMemory (off unless ``open(oom_retry=...)``)
-        self._oom_retry = OutOfMemoryRetry()
         self.capabilities: Capabilities = derive_capabilities(self._backend.rlinfer_capabilities())
         self.model_info: ModelInfo | None = None
         self._calls = BackendCalls(info.name, self._backend, lambda: self.capabilities)
@@ -116,6 +101,7 @@ class AsyncEngine:
             self._calls, lambda: self.config, self._observers, lambda: self.model_info, lambda: self._staging.open
         )
         self._staging = Staging(self._calls, lambda: self.config, self._observers, self._weights)
+        self._requests = Requests(self, self._calls, self._weights, self._observers)
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -160,7 +146,7 @@ class AsyncEngine:
         build their own backend object over an engine (``rlinfer_ray``'s pool of replicas)."""
         engine = cls(info, backend, config, plugins, entry_point_plugins)
         if oom_retry is not None:
-            engine._oom_retry = oom_retry
+            engine._requests.oom_retry = oom_retry
         if config.deterministic:  # refused before anything starts
             engine.capabilities.require(Capability.DETERMINISTIC)
         if config.enable_routed_experts:
@@ -235,7 +221,7 @@ class AsyncEngine:
     @property
     def in_flight(self) -> frozenset[str]:
         """Request ids handed to generate/stream that have not returned yet."""
-        return self._admission.in_flight
+        return self._requests.admission.in_flight
 
     @property
     def weights_discarded(self) -> bool:
@@ -256,44 +242,11 @@ class AsyncEngine:
         several engines (``rlinfer_ray``'s pool) states its own count as ``broadcast_ranks``."""
         return self._weights.broadcast_ranks
 
-    def _validate_request(self, request: GenerateRequest) -> None:
-        self._calls.ensure_open()
-        validate_request(request, self.capabilities, self._weights.released, self.model_info)
-        check_config_limits(request, self.config)
-        check_agent_request(self, request)  # tools, structured, lora (rlinfer_core.agent)
-        self._weights.require_loaded()
-
     # --- generate ------------------------------------------------------------------------------
 
     async def generate(self, requests: GenerateRequest | Sequence[GenerateRequest]) -> list[Completion]:
         """Generate completions: ``n`` per request, in request order, then sample index."""
-        batch = as_batch(requests, self._validate_request)
-        if not batch:
-            return []
-        started = time.perf_counter()
-        ids = [r.request_id for r in batch]
-        async with self._admission.admit(ids, self.config.request_timeout_s) as ticket:
-            if ticket.aborted:  # aborted while waiting at the pause gate: the engine never saw it
-                completions = [aborted_at_gate(r, i) for r in batch for i in range(r.sampling.n)]
-            else:
-                completions = await retrying_out_of_memory(
-                    lambda: self._calls.engine_call(
-                        lambda: self._backend.rlinfer_generate(batch),
-                        self.config.request_timeout_s,
-                        "generate",
-                        on_timeout=lambda: self._calls.abort_quietly(ids),
-                    ),
-                    self._oom_retry,
-                )
-        stamped = await attach_tool_calls(self, batch, [self._stamp(c) for c in completions])
-        self._observers.emit(
-            "rlinfer_on_generate_done",
-            backend=self.backend_name,
-            requests=batch,
-            completions=stamped,
-            seconds=time.perf_counter() - started,
-        )
-        return stamped
+        return await self._requests.generate(requests)
 
     async def generate_over_sampled(
         self, requests: GenerateRequest | Sequence[GenerateRequest], over_sample_rate: float
@@ -303,16 +256,7 @@ class AsyncEngine:
         partial tokens (see :mod:`rlinfer_core.over_sample`)."""
         from rlinfer_core.over_sample import generate_over_sampled
 
-        return await generate_over_sampled(self, requests, over_sample_rate, self.capabilities, self._validate_request)
-
-    def _stamp(self, completion: Completion) -> Completion:
-        """Fill ``token_versions`` where a backend left them out (exact when no update overlapped
-        the request) and set ``weight_version`` to the newest token's version."""
-        versions = completion.token_versions
-        if versions is None:
-            versions = (self._weights.version,) * len(completion.token_ids)
-        newest = max(versions) if versions else self._weights.version
-        return attrs.evolve(completion, token_versions=tuple(versions), weight_version=newest)
+        return await generate_over_sampled(self, requests, over_sample_rate, self.capabilities, self._requests.validate)
 
     def stream(self, request: GenerateRequest) -> AsyncGenerator[CompletionDelta, None]:
         """Stream one request's deltas; they concatenate to the batch result.
@@ -321,95 +265,19 @@ class AsyncEngine:
         iteration; the whole stream is bounded by ``request_timeout_s`` (the request is aborted
         when it runs out) and an engine that died meanwhile raises EngineDead.
         """
-        generate_stream = self._calls.optional(StreamingBackend.rlinfer_generate_stream)
-        if request.sampling.return_routed_experts:  # deltas carry no routes
-            raise InvalidRequest("return_routed_experts", "routes come with generate(), not with stream()")
-        if request.sampling.return_hidden_states:  # nor hidden states
-            raise InvalidRequest("return_hidden_states", "hidden states come with generate(), not with stream()")
-        self._validate_request(request)
-        return self._stream(generate_stream, request)
-
-    async def _stream(
-        self, generate_stream: Callable[[GenerateRequest], AsyncIterator[CompletionDelta]], request: GenerateRequest
-    ) -> AsyncGenerator[CompletionDelta, None]:
-        ids = [request.request_id]
-        deadline = time.monotonic() + self.config.request_timeout_s
-        async with self._admission.admit(ids, self.config.request_timeout_s) as ticket:
-            if ticket.aborted:
-                for index in range(request.sampling.n):
-                    c = aborted_at_gate(request, index)
-                    yield CompletionDelta(
-                        c.request_id, index, (), (), FinishReason.ABORT, None, self._weights.version, ()
-                    )
-                return
-            iterator = generate_stream(request)
-            try:
-                while True:
-                    try:
-                        delta = await self._calls.engine_call(
-                            lambda: anext(iterator),
-                            max(deadline - time.monotonic(), 0.001),
-                            f"stream of {request.request_id!r}",
-                            on_timeout=lambda: self._calls.abort_quietly(ids),
-                        )
-                    except StopAsyncIteration:
-                        return
-                    versions = delta.token_versions
-                    if versions is None:
-                        versions = (self._weights.version,) * len(delta.token_ids)
-                    yield attrs.evolve(
-                        delta,
-                        token_versions=tuple(versions),
-                        weight_version=max(versions, default=self._weights.version),
-                    )
-            finally:
-                aclose = getattr(iterator, "aclose", None)
-                if aclose is not None:
-                    await aclose()
+        return self._requests.stream(request)
 
     async def abort(self, request_ids: Sequence[str] | str | None = None) -> None:
         """Abort requests (``None``: all in flight); their callers get partial tokens, "abort"."""
-        self._calls.ensure_open()
-        abort = self._calls.optional(AbortingBackend.rlinfer_abort, Capability.ABORT)
-        ids = [request_ids] if isinstance(request_ids, str) else (None if request_ids is None else list(request_ids))
-        targets = sorted(self._admission.in_flight) if ids is None else ids
-        self._admission.abort_waiting(ids)
-        await self._calls.with_timeout(abort(ids), 60.0, "abort")
-        # A request accepted here may not be registered in the engine yet (it ignores an unknown
-        # id, and "all" means all it knows): abort again until each target has ended, bounded.
-        deadline = time.monotonic() + ABORT_SETTLE_S
-        while (left := [i for i in targets if i in self._admission.in_flight]) and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-            await self._calls.with_timeout(abort(left), 60.0, "abort")
+        await self._requests.abort(request_ids)
 
     async def pause(self, mode: PauseMode | str = PauseMode.ABORT) -> None:
         """Pause generation (see PauseMode for what happens to in-flight requests)."""
-        self._calls.ensure_open()
-        pause_mode = preflight_pause_mode(mode, self.capabilities)
-        pause = self._calls.optional(PausingBackend.rlinfer_pause, PAUSE_CAPABILITY[pause_mode])
-        # Every request handed to generate/stream before this call is covered by the mode, even
-        # one the engine has not registered yet: new ones wait at the gate until resume().
-        self._admission.close_gate()
-        try:
-            if pause_mode is PauseMode.WAIT:
-                await self._calls.with_timeout(self._admission.drained(), self.config.request_timeout_s, "pause(wait)")
-            await self._calls.with_timeout(pause(pause_mode), self.config.request_timeout_s, "pause")
-            if pause_mode is PauseMode.ABORT and self._admission.in_flight:
-                abort = self._calls.optional(AbortingBackend.rlinfer_abort, Capability.PAUSE_ABORT)
-                await self._calls.with_timeout(abort(sorted(self._admission.in_flight)), 60.0, "pause(abort)")
-        except BaseException:
-            self._admission.open_gate()
-            raise
+        await self._requests.pause(mode)
 
     async def resume(self) -> None:
         """Resume generation after :meth:`pause`."""
-        self._calls.ensure_open()
-        try:
-            resume = self._calls.implemented(PausingBackend.rlinfer_resume)
-            if resume is not None:
-                await self._calls.with_timeout(resume(), 60.0, "resume")
-        finally:
-            self._admission.open_gate()
+        await self._requests.resume()
 
     # --- weight sync (rlinfer_core.engine_weights, rlinfer_core.engine_staging) ------------------
 
@@ -628,16 +496,3 @@ __all__ = [
     "transport_capability",
     "transport_name",
 ]
-
-
-def aborted_at_gate(request: GenerateRequest, index: int) -> Completion:
-    """The completion of a request aborted before the engine saw it: no tokens, "abort"."""
-    return Completion(
-        request_id=request.request_id,
-        index=index,
-        prompt_token_ids=request.prompt_token_ids or (),
-        token_ids=(),
-        logprobs=(),
-        finish_reason=FinishReason.ABORT,
-        token_versions=(),
-    )

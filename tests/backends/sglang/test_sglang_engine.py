@@ -216,7 +216,7 @@ def test_abort_a_request_held_by_pause_wait(engine: Engine) -> None:
         try:
             request = _greedy([1, 30], 50)
             future = pool.submit(engine.generate, [request])
-            admission = engine.async_engine._admission
+            admission = engine.async_engine._requests.admission
             deadline = time.monotonic() + 30
             while request.request_id not in admission.waiting and time.monotonic() < deadline:
                 time.sleep(0.01)
