@@ -1,6 +1,7 @@
 """One vLLM engine on a tiny Qwen2 (q/k/v biases, head tied to the embedding) for the test modules
-that need that layout (test_vllm_tied.py, test_fast_load.py): an engine start is ~50 s on 2 cores.
-Each test leaves seed 0's weights served."""
+of vLLM-specific behaviour (test_vllm_engine.py, test_vllm_tied.py, test_fast_load.py): an engine
+start is ~50 s on 2 cores. Each test leaves seed 0's weights served; a test marked
+``ends_shared_engine`` shuts it down, so it runs after every other test of the session."""
 
 from __future__ import annotations
 
@@ -9,6 +10,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "ends_shared_engine: shuts the shared engine down; runs last")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: item.get_closest_marker("ends_shared_engine") is not None)
 
 
 @pytest.fixture(scope="session")

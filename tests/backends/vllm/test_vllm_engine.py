@@ -1,13 +1,14 @@
-"""vLLM-specific behaviour on one real engine (module-scoped): what the shared kit does not cover.
+"""vLLM-specific behaviour on the shared Qwen2 engine (``tests/backends/vllm/conftest.py``): what
+the shared kit does not cover.
 
 Partial updates of fused parameters, rollback of a load that fails inside vLLM, the two bench
-hooks, CPU memory-release refusal, and a clean shutdown (last).
+hooks, CPU memory-release refusal, and a clean shutdown (moved to the end of the session by the
+``ends_shared_engine`` marker). Each test leaves seed 0's weights served.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,30 +16,24 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_test_helpers import ENGINE_FIELDS, PROMPTS, hf_greedy, state_dict
+from vllm_test_helpers import PROMPTS, hf_greedy, state_dict
 
-from rlinfer_core.engine import Engine, open_engine
+from rlinfer_core.engine import Engine
 from rlinfer_core.errors import EngineDead, UnsupportedCapability, WeightUpdateError
-from rlinfer_core.tiny_model import make_tiny_model
 from rlinfer_core.types import Capability, GenerateRequest, MemoryTag, SamplingParams
 from rlinfer_core.weights import CheckpointDir, NamedTensors, WeightUpdate
 
 MAX_TOKENS = 8
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("vllm-models")
-    return make_tiny_model(root / "seed0", seed=0), make_tiny_model(root / "seed1", seed=1)
+@pytest.fixture
+def models(qwen2_models: tuple[Path, Path]) -> tuple[Path, Path]:
+    return qwen2_models
 
 
-@pytest.fixture(scope="module")
-def engine(models: tuple[Path, Path]) -> Iterator[Engine]:
-    eng = open_engine("vllm", model=str(models[0]), load_entry_point_plugins=False, **ENGINE_FIELDS)
-    try:
-        yield eng
-    finally:
-        eng.shutdown()
+@pytest.fixture
+def engine(qwen2_engine: Engine) -> Engine:
+    return qwen2_engine
 
 
 def greedy(engine: Engine) -> list[list[int]]:
@@ -222,6 +217,7 @@ def test_bench_hooks(engine: Engine, models: tuple[Path, Path]) -> None:
     assert greedy(engine) == hf_greedy(models[0], base, PROMPTS, MAX_TOKENS)
 
 
+@pytest.mark.ends_shared_engine
 def test_shutdown_leaves_no_child_processes(engine: Engine) -> None:
     import psutil
 

@@ -37,7 +37,8 @@ def hf_greedy(
     config = AutoConfig.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     missing, unexpected = model.load_state_dict(dict(weights), strict=False)
-    assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()  # the embedding, loaded
+    assert not unexpected and all("rotary" in m or m in tied for m in missing), (missing, unexpected)
     model.eval()
     out = []
     with torch.no_grad():
