@@ -56,13 +56,19 @@ SGLANG_CI_ARCHITECTURES := qwen3_moe
 # is EngineDead, the next open serves) and the GRPO demo's smoke run
 CI_LEFT_OUT := test_each_engine_process_killed_in_turn or test_agent_demo_two_steps
 
+# test-vllm and test-sglang run the kit in process and in server mode in one pytest session (two
+# --rlinfer-configuration; one configuration's engines end before the next one's start), with the
+# backend's own tests beside the in-process engine; server mode runs the essential subset
+# (*_SERVER_CI_OUT, below)
+KIT_MODES := --rlinfer-configuration mode=inprocess --rlinfer-configuration mode=server
+
 test-vllm: env-vllm
-	$(VENVS)/vllm/bin/python -m pytest tests/backends/test_vllm_conformance.py tests/backends/vllm -q --rlinfer-backend vllm --rlinfer-architectures $(VLLM_CI_ARCHITECTURES) -k "not ($(CI_LEFT_OUT))" --rlinfer-report out/conformance-vllm.json
+	$(VENVS)/vllm/bin/python -m pytest tests/backends/test_vllm_conformance.py tests/backends/vllm -q --rlinfer-backend vllm $(KIT_MODES) --rlinfer-architectures $(VLLM_CI_ARCHITECTURES) -k "not ($(CI_LEFT_OUT)) and not (mode-server and ($(VLLM_SERVER_CI_OUT)))" --rlinfer-report out/conformance-vllm.json
 	# vLLM serves LoRA only on an engine started with it: the kit's LoRA tests on a second engine (~1 min)
 	$(VENVS)/vllm/bin/python -m pytest tests/backends/test_vllm_conformance.py -q -k lora --rlinfer-backend vllm --rlinfer-engine-arg enable_lora=true --rlinfer-engine-arg max_lora_rank=8 --rlinfer-report out/conformance-vllm-lora.json
 
 test-sglang: env-sglang
-	$(VENVS)/sglang/bin/python -m pytest tests/backends/test_sglang_conformance.py tests/backends/sglang -q --rlinfer-backend sglang --rlinfer-architectures $(SGLANG_CI_ARCHITECTURES) -k "not ($(CI_LEFT_OUT))" --rlinfer-report out/conformance-sglang.json
+	$(VENVS)/sglang/bin/python -m pytest tests/backends/test_sglang_conformance.py tests/backends/sglang -q --rlinfer-backend sglang $(KIT_MODES) --rlinfer-architectures $(SGLANG_CI_ARCHITECTURES) -k "not ($(CI_LEFT_OUT)) and not (mode-server and ($(SGLANG_SERVER_CI_OUT)))" --rlinfer-report out/conformance-sglang.json
 
 # the fault matrix and the agent demo's smoke run (left out of `make test`, see CI_LEFT_OUT)
 test-vllm-faults: env-vllm
@@ -84,7 +90,7 @@ test-sglang-architectures: env-sglang
 test-vllm-server: env-vllm
 	timeout 2400 $(VENVS)/vllm/bin/rlinfer conformance --backend vllm --report out/conformance-vllm-server.json -- --rlinfer-config mode=server
 
-# the essential subset for CI (~3-4 min, in `make test`): the kit on one vLLM server engine
+# the essential subset for CI (~3-4 min, in `make test` within test-vllm): the kit on one vLLM server engine
 # (generate through the batch endpoint, weights, versions, pause, abort, errors), without the
 # extra engines of the fault matrix and the extra architectures
 # the priority-order test is left to test-vllm-server (make thorough): through vLLM's HTTP server
@@ -99,8 +105,10 @@ SERVER_CI_LEFT_OUT = test_priority_orders_the_queue or test_abort_all or test_pa
 # Two tests open a server engine of their own (~1 min each): the batch larger than the KV cache
 # and the dummy start. In process they run in `make test`; in server mode, in test-*-server.
 SERVER_OWN_ENGINES = test_batch_larger_than_the_kv_cache_is_served or test_dummy_start_serves_only_after_a_full_update
+VLLM_SERVER_CI_OUT = killed_in_turn or architecture or $(SERVER_CI_LEFT_OUT) or $(SERVER_OWN_ENGINES)
+# the server-mode subset alone (`make test` runs it within test-vllm)
 test-vllm-server-ci: env-vllm
-	timeout 900 $(VENVS)/vllm/bin/python -m pytest tests/backends/test_vllm_conformance.py -q -p no:cacheprovider --rlinfer-backend vllm --rlinfer-config mode=server -k "not killed_in_turn and not architecture and not ($(SERVER_CI_LEFT_OUT)) and not ($(SERVER_OWN_ENGINES))" --rlinfer-report out/conformance-vllm-server-ci.json
+	timeout 900 $(VENVS)/vllm/bin/python -m pytest tests/backends/test_vllm_conformance.py -q -p no:cacheprovider --rlinfer-backend vllm --rlinfer-config mode=server -k "not ($(VLLM_SERVER_CI_OUT))" --rlinfer-report out/conformance-vllm-server-ci.json
 
 # the kit against the SGLang backend in server mode: a real `python -m sglang.launch_server` child
 # driven over HTTP (main engine, two extra architectures, fault matrix), then the attach tests
@@ -108,12 +116,14 @@ test-sglang-server: env-sglang
 	timeout 2400 $(VENVS)/sglang/bin/rlinfer conformance --backend sglang --report out/conformance-sglang-server.json -- --rlinfer-config mode=server
 	RLINFER_SGLANG_SERVER_TESTS=1 timeout 900 $(VENVS)/sglang/bin/python -m pytest tests/backends/sglang/test_sglang_server_attach.py tests/backends/sglang/test_sglang_server_old_update.py -q -p no:cacheprovider
 
-# the essential subset for CI (~3 min, in `make test`): the kit on one server engine
+# the essential subset for CI (~3 min, in `make test` within test-sglang): the kit on one server engine
 # (generate, weights, versions, pause, abort, errors), without the extra engines of the fault
 # matrix, the extra architectures, SERVER_OWN_ENGINES and the image tests' tiny-VLM server (~50 s;
 # they run in test-sglang-server, in `make thorough`, and in process in test-sglang)
+SGLANG_SERVER_CI_OUT = killed_in_turn or architecture or image or $(SERVER_OWN_ENGINES)
+# the server-mode subset alone (`make test` runs it within test-sglang)
 test-sglang-server-ci: env-sglang
-	timeout 900 $(VENVS)/sglang/bin/python -m pytest tests/backends/test_sglang_conformance.py -q -p no:cacheprovider --rlinfer-backend sglang --rlinfer-config mode=server -k "not killed_in_turn and not architecture and not image and not ($(SERVER_OWN_ENGINES))" --rlinfer-report out/conformance-sglang-server-ci.json
+	timeout 900 $(VENVS)/sglang/bin/python -m pytest tests/backends/test_sglang_conformance.py -q -p no:cacheprovider --rlinfer-backend sglang --rlinfer-config mode=server -k "not ($(SGLANG_SERVER_CI_OUT))" --rlinfer-report out/conformance-sglang-server-ci.json
 
 # SGLang at tensor_parallel_size=2 on CPU (two TP ranks, one core each, gloo): CPU-tensor and
 # bucket updates reach both ranks, in process and in server mode (~1.5 min; issue 12). vLLM's
@@ -155,7 +165,7 @@ test-server: env-vllm
 test-wheels:
 	PYTHON=$(PYTHON) bash dev/envs/test_wheels.sh
 
-test: envs-all lint typecheck test-core test-wheels test-vllm test-vllm-server-ci test-sglang test-sglang-server-ci test-sglang-tp2 test-ray test-server test-dialects test-verl
+test: envs-all lint typecheck test-core test-wheels test-vllm test-sglang test-sglang-tp2 test-ray test-server test-dialects test-verl
 
 # slower checks, not in `make test`: the kit in vLLM server mode alone takes ~15-25 min on 2 shared cores
 thorough: test test-vllm-faults test-sglang-faults test-vllm-server test-sglang-server test-sglang-tp2-kit test-vllm-tp2 test-ray-sglang test-vllm-architectures test-sglang-architectures test-dialects-full test-dialects-pool test-server-sglang test-verl-example

@@ -68,3 +68,29 @@ def test_argmax_tie_band_widens_with_the_logprob_tolerance() -> None:
 
     assert tie_band(1e-5) == TIE_TOLERANCE  # the CPU default keeps the fixed band
     assert tie_band(1e-3) == pytest.approx(2e-3)  # GPU kernels: logits may swap within 2 * tol
+
+
+def test_one_run_checks_each_configuration(tmp_path: Path) -> None:
+    """Two ``--rlinfer-configuration`` in one session: every engine test runs under each, the
+    first configuration's tests (its last test included) before the second's, and the report
+    records each configuration's fields (``replicas`` is the kit's, not an EngineConfig field)."""
+    site = _register_double(tmp_path)
+    report = tmp_path / "report.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(DOUBLES)]), RLINFER_BACKENDS="hfdouble")
+    selected = "test_greedy_matches_oracle_at_start or test_shutdown_is_final_and_idempotent"
+    command = [sys.executable, "-m", "rlinfer_core.cli", "conformance", "--backend", "hfdouble"]
+    command += ["--report", str(report), "--", "-k", selected]
+    for configuration in ("max_num_seqs=8,replicas=1", "max_num_seqs=4,seed=3"):
+        command += ["--rlinfer-configuration", configuration]
+    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    written = json.loads(report.read_text())
+    ran = [nodeid.split("::")[-1] for nodeid, entry in written["tests"].items() if entry["outcome"] == "passed"]
+    assert ran == [  # in the order they ran
+        "test_greedy_matches_oracle_at_start[max_num_seqs-8+replicas-1]",
+        "test_shutdown_is_final_and_idempotent[max_num_seqs-8+replicas-1]",
+        "test_greedy_matches_oracle_at_start[max_num_seqs-4+seed-3]",
+        "test_shutdown_is_final_and_idempotent[max_num_seqs-4+seed-3]",
+    ], written["tests"]
+    fields = [c["fields"] for c in written["configurations"]]
+    assert fields == [{"max_num_seqs": 8, "replicas": 1}, {"max_num_seqs": 4, "seed": 3}]

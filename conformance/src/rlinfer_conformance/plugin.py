@@ -54,6 +54,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="EngineConfig field for the kit's engine, e.g. enable_memory_release=true (repeatable)",
     )
     group.addoption(
+        "--rlinfer-configuration",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE[,FIELD=VALUE...]",
+        help="one configuration of the kit's engines, e.g. mode=server or replicas=2 (EngineConfig fields, and "
+        "replicas as --rlinfer-replicas; repeatable): the kit runs once per "
+        "configuration in this one session, ending one configuration's engines before the next starts; "
+        "test ids name it (test_x[mode-server]); --rlinfer-config fields apply to every one",
+    )
+    group.addoption(
         "--rlinfer-engine-arg",
         action="append",
         default=[],
@@ -139,20 +149,52 @@ def is_kit_item(item: pytest.Item) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip the kit without a backend; run ``rlinfer_last`` tests at the very end."""
+    """Skip the kit without a backend; run each configuration's tests together, its ``rlinfer_last``
+    tests at their end."""
     if not config.getoption("--rlinfer-backend"):
         skip = pytest.mark.skip(reason="rlinfer conformance kit: pass --rlinfer-backend NAME to run it")
         for item in items:
             if is_kit_item(item):
                 item.add_marker(skip)
         return
-    items.sort(key=lambda it: it.get_closest_marker("rlinfer_last") is not None)
+    positions = {spec: i for i, spec in enumerate(config.getoption("--rlinfer-configuration"))}
+
+    def order(item: pytest.Item) -> tuple[int, bool]:  # per configuration: rlinfer_last tests at its end
+        return positions.get(configuration_of(item), 0), item.get_closest_marker("rlinfer_last") is not None
+
+    items.sort(key=order)
     _select_architectures(config, items)
-    if config.getoption("--rlinfer-replicas") > 1:  # a pool: this test opens and kills single engines
-        pool_skip = pytest.mark.skip(reason="kills single engines of its own; pool replica deaths: tests/ray")
-        for item in items:
-            if item.name == "test_each_engine_process_killed_in_turn":
+    pool_skip = pytest.mark.skip(reason="kills single engines of its own; pool replica deaths: tests/ray")
+    for item in items:
+        if item.name.startswith("test_each_engine_process_killed_in_turn"):
+            fields = parse_configuration(configuration_of(item))
+            if int(fields.get("replicas", config.getoption("--rlinfer-replicas"))) > 1:
                 item.add_marker(pool_skip)
+
+
+def configuration_of(item: pytest.Item) -> str | None:
+    """The ``--rlinfer-configuration`` an item runs under, if any."""
+    callspec = getattr(item, "callspec", None)
+    return callspec.params.get("rlinfer_configuration") if callspec is not None else None
+
+
+def parse_configuration(spec: str | None) -> dict[str, Any]:
+    """``"mode=server,replicas=2"`` -> ``{"mode": "server", "replicas": 2}`` (None: no fields)."""
+    from rlinfer_core.types import parse_assignments
+
+    return {} if spec is None else parse_assignments(spec.split(","), "--rlinfer-configuration")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """With ``--rlinfer-configuration``: every test using the kit's engines, once per configuration."""
+    specs = metafunc.config.getoption("--rlinfer-configuration")
+    if specs and "rlinfer_configuration" in metafunc.fixturenames:
+        metafunc.parametrize("rlinfer_configuration", specs, indirect=True, scope="session", ids=configuration_id)
+
+
+def configuration_id(spec: str) -> str:
+    """The test-id part naming a configuration, usable in ``-k``: ``mode=server`` -> ``mode-server``."""
+    return spec.replace("=", "-").replace(",", "+")
 
 
 def _select_architectures(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -213,12 +255,20 @@ def rlinfer_backend(pytestconfig: pytest.Config) -> str:
 
 
 @pytest.fixture(scope="session")
-def rlinfer_config_overrides(pytestconfig: pytest.Config) -> dict[str, Any]:
-    """Extra EngineConfig fields for the kit's engine, from ``--rlinfer-config`` and
-    ``--rlinfer-engine-arg``; a backend's test file may override this fixture."""
+def rlinfer_configuration(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """The configuration now under test (one ``--rlinfer-configuration``; none given: no fields):
+    EngineConfig fields, and ``replicas`` (N > 1: the kit's engine is a pool, as ``--rlinfer-replicas``)."""
+    return parse_configuration(getattr(request, "param", None))
+
+
+@pytest.fixture(scope="session")
+def rlinfer_config_overrides(pytestconfig: pytest.Config, rlinfer_configuration: dict[str, Any]) -> dict[str, Any]:
+    """Extra EngineConfig fields for the kit's engines: ``--rlinfer-config``, the configuration now
+    under test and ``--rlinfer-engine-arg``; a backend's test file may override this fixture."""
     from rlinfer_core.types import parse_assignments
 
     fields = parse_assignments(pytestconfig.getoption("--rlinfer-config"), "--rlinfer-config")
+    fields.update({name: value for name, value in rlinfer_configuration.items() if name != "replicas"})
     engine_args = parse_assignments(pytestconfig.getoption("--rlinfer-engine-arg"), "--rlinfer-engine-arg")
     if engine_args:
         fields["engine_kwargs"] = {**fields.get("engine_kwargs", {}), **engine_args}
@@ -234,12 +284,14 @@ def rlinfer_report(pytestconfig: pytest.Config, rlinfer_backend: str) -> KitRepo
 @pytest.fixture(scope="session")
 def rlinfer_world(
     rlinfer_backend: str,
+    rlinfer_configuration: dict[str, Any],
     rlinfer_config_overrides: dict[str, Any],
     rlinfer_report: KitReport,
     tmp_path_factory: pytest.TempPathFactory,
     pytestconfig: pytest.Config,
 ) -> Iterator[Any]:
-    """ONE engine for the whole session, on a tiny random model (seed 0), plus the HF oracle."""
+    """ONE engine for the whole session (per configuration), on a tiny random model (seed 0),
+    plus the HF oracle."""
     from rlinfer_conformance.oracle import Oracle, tie_band
     from rlinfer_conformance.world import BASE, LOGPROB_TOLERANCE, OTHER, EventRecorder, KitWorld, default_config
     from rlinfer_core.engine import open_engine
@@ -253,7 +305,7 @@ def rlinfer_world(
     oracle.add(OTHER, make_tiny_model(tmp / "model-seed1", seed=1))
     events = EventRecorder()
     started = time.perf_counter()
-    replicas = int(pytestconfig.getoption("--rlinfer-replicas"))
+    replicas = int(rlinfer_configuration.get("replicas", pytestconfig.getoption("--rlinfer-replicas")))
     if replicas > 1:  # the same kit against an rlinfer-ray pool of engines
         from rlinfer_ray.kit import open_kit_engine
 
@@ -266,6 +318,14 @@ def rlinfer_world(
     rlinfer_report.capabilities = caps.to_dict()
     rlinfer_report.engine_version = caps.engine_version
     rlinfer_report.engine_platform = caps.platform
+    if rlinfer_configuration:
+        rlinfer_report.configurations.append(
+            {
+                "fields": rlinfer_configuration,
+                "capabilities": caps.to_dict(),
+                "engine_start_s": round(rlinfer_report.timings["engine_start"], 2),
+            }
+        )
     world = KitWorld(engine, oracle, rlinfer_report, events, Path(tmp), pooled=replicas > 1)
     try:
         yield world

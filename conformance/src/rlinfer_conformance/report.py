@@ -27,6 +27,8 @@ class KitReport:
     parity: list[dict[str, Any]] = attrs.field(factory=list)
     timings: dict[str, float] = attrs.field(factory=dict)
     notes: list[str] = attrs.field(factory=list)
+    #: with ``--rlinfer-configuration``: per configuration, its fields, capabilities and engine start
+    configurations: list[dict[str, Any]] = attrs.field(factory=list)
 
     def record_parity(
         self, checkpoint: str, max_abs_logprob_delta: float, tokens: int, mismatches: int, architecture: str = "llama"
@@ -90,6 +92,7 @@ class KitReport:
             "wall_s": round(time.time() - self.started_at, 2),
             "tests": self.tests,
             "notes": self.notes,
+            "configurations": self.configurations,
         }
 
     def write(self, path: str | Path) -> None:

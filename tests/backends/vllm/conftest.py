@@ -1,7 +1,7 @@
 """One vLLM engine on a tiny Qwen2 (q/k/v biases, head tied to the embedding) for the test modules
 of vLLM-specific behaviour (test_vllm_engine.py, test_vllm_tied.py, test_fast_load.py): an engine
 start is ~50 s on 2 cores. Each test leaves seed 0's weights served; a test marked
-``ends_shared_engine`` shuts it down, so it runs after every other test of the session."""
+``ends_shared_engine`` shuts it down, so it runs after every other test of that engine."""
 
 from __future__ import annotations
 
@@ -18,7 +18,12 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: item.get_closest_marker("ends_shared_engine") is not None)
+    """Tests marked ``ends_shared_engine`` right after the last other test of the shared engine."""
+    ending = [item for item in items if item.get_closest_marker("ends_shared_engine")]
+    rest = [item for item in items if not item.get_closest_marker("ends_shared_engine")]
+    users = [n for n, item in enumerate(rest) if "qwen2_engine" in getattr(item, "fixturenames", ())]
+    at = users[-1] + 1 if users else len(rest)
+    items[:] = rest[:at] + ending + rest[at:]
 
 
 @pytest.fixture(scope="session")

@@ -2,8 +2,8 @@
 the shared kit does not cover.
 
 Partial updates of fused parameters, rollback of a load that fails inside vLLM, the two bench
-hooks, CPU memory-release refusal, and a clean shutdown (moved to the end of the session by the
-``ends_shared_engine`` marker). Each test leaves seed 0's weights served.
+hooks, CPU memory-release refusal, and a clean shutdown (moved after every other test of the
+engine by the ``ends_shared_engine`` marker). Each test leaves seed 0's weights served.
 """
 
 from __future__ import annotations
