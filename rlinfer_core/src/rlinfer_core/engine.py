@@ -73,7 +73,7 @@ class AsyncEngine:
     Its components own the rest of its state: :class:`~rlinfer_core.engine_calls.BackendCalls`
     (the backend, optional hooks, deadlines, dead-engine detection),
     :class:`~rlinfer_core.engine_requests.Requests` (validation, admission, generate, stream,
-    abort, pause),
+    abort, pause, resume),
     :class:`~rlinfer_core.engine_weights.Weights` (version, updates, verification, memory) and
     :class:`~rlinfer_core.engine_staging.Staging` (the staged update now open).
     """

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import attrs
 
@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 
 #: how long abort() keeps aborting targets the engine may not have registered yet
 ABORT_SETTLE_S = 2.0
+
+Stamped = TypeVar("Stamped", Completion, CompletionDelta)
 
 
 class Requests:
@@ -96,14 +98,14 @@ class Requests:
         )
         return stamped
 
-    def stamp(self, completion: Completion) -> Completion:
-        """Fill ``token_versions`` where a backend left them out (exact when no update overlapped
-        the request) and set ``weight_version`` to the newest token's version."""
-        versions = completion.token_versions
+    def stamp(self, result: Stamped) -> Stamped:
+        """Fill a completion's or delta's ``token_versions`` where a backend left them out (exact
+        when no update overlapped the request) and set ``weight_version`` to the newest token's."""
+        versions = result.token_versions
         if versions is None:
-            versions = (self._weights.version,) * len(completion.token_ids)
-        newest = max(versions) if versions else self._weights.version
-        return attrs.evolve(completion, token_versions=tuple(versions), weight_version=newest)
+            versions = (self._weights.version,) * len(result.token_ids)
+        newest = max(versions, default=self._weights.version)
+        return attrs.evolve(result, token_versions=tuple(versions), weight_version=newest)
 
     def stream(self, request: GenerateRequest) -> AsyncGenerator[CompletionDelta, None]:
         """:meth:`AsyncEngine.stream`: checked now, before any iteration."""
@@ -141,14 +143,7 @@ class Requests:
                         )
                     except StopAsyncIteration:
                         return
-                    versions = delta.token_versions
-                    if versions is None:
-                        versions = (self._weights.version,) * len(delta.token_ids)
-                    yield attrs.evolve(
-                        delta,
-                        token_versions=tuple(versions),
-                        weight_version=max(versions, default=self._weights.version),
-                    )
+                    yield self.stamp(delta)
             finally:
                 aclose = getattr(iterator, "aclose", None)
                 if aclose is not None:
